@@ -1,0 +1,1 @@
+"""Built-in defaults, registered through the same hooks as any plugin."""

@@ -1,0 +1,128 @@
+"""Protocols of the named components. Plugins implement them; the kernel loop only talks to these.
+
+Each kind is registered through its ``miles_register_<kind>s(register)`` hook as
+``register(name, factory, config=PydanticModel)``. The kernel validates the component's config
+section (minus ``name``) with that model and calls ``factory(config, **context)`` with the
+keyword context listed on each protocol below.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+
+from .types import Batch, Completion, Group, SamplingParams, Sample, Task
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+LossFn = Callable[[Batch, "torch.Tensor"], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+@runtime_checkable
+class ModelSpec(Protocol):
+    """Builds a model architecture. Factory context: none.
+
+    ``build_tokenizer(default)``: the tokenizer (``default`` is the env's, if it offers one);
+    ``build_model(tokenizer)``: a fresh ``torch.nn.Module`` causal LM with HF-style
+    ``forward(input_ids, attention_mask, position_ids) -> .logits`` and HF parameter names.
+    """
+
+    def build_tokenizer(self, default: Any = None) -> Any: ...
+
+    def build_model(self, tokenizer: Any) -> "torch.nn.Module": ...
+
+
+@runtime_checkable
+class Env(Protocol):
+    """Tasks and their verifier. Factory context: ``seed``.
+
+    ``tasks(split)``: the tasks of ``"train"`` or ``"eval"``; ``reward(sample)``: the verifier's
+    score. Optional: ``tokenizer()`` (a default tokenizer for the model spec) and
+    ``demonstrations()`` (``(task, response_text)`` pairs for supervised training).
+    """
+
+    def tasks(self, split: str) -> Sequence[Task]: ...
+
+    def reward(self, sample: Sample) -> float: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Rollout engine. Factory context: ``spec`` (ModelSpec), ``tokenizer``, ``seed``.
+
+    ``generate(prompts, params, n)`` returns, for each prompt, ``n`` completions with per-token
+    log-probs. ``load_weights(named_tensors, version)`` replaces the weights (HF names) and sets
+    ``weight_version``. An engine starts without usable weights: the loop syncs them first.
+    """
+
+    weight_version: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 n: int = 1) -> list[list[Completion]]: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> None: ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Owns the policy (and reference) model and its optimizer. Factory context: ``spec``,
+    ``tokenizer``, ``seed``, ``total_steps``.
+
+    ``logprobs(batch, which)``: no-grad log-probs ``[B, R]`` of the response tokens under
+    ``which`` in ``{"policy", "ref"}``; ``train_step(batch, loss_fn)``: one optimizer step over the
+    batch (micro-batched), returns averaged metrics; ``snapshot_reference()``: freeze the current
+    policy as the reference model; ``named_weights()``: full weights in HF names (an iterator, so
+    a sharded trainer can stream them); ``save(dir)``/``load(dir)``: full training state.
+    """
+
+    def logprobs(self, batch: Batch, which: str = "policy") -> "torch.Tensor": ...
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]: ...
+
+    def snapshot_reference(self) -> None: ...
+
+    def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves weights from the trainer to engines. Factory context: none.
+
+    ``sync(trainer, engines, version)`` pushes ``trainer.named_weights()`` and returns metrics
+    (at least ``weight_sync_seconds`` and ``weight_sync_bytes``).
+    """
+
+    def sync(self, trainer: Trainer, engines: Sequence[Engine], version: int) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """Turns groups into a loss. Factory context: none.
+
+    ``uses_rollout``: False for supervised algorithms (batches come from ``env.demonstrations()``);
+    ``needs_reference``: the loop asks the trainer for ``ref_logprobs``;
+    ``keep(group)``: the algorithm's own filter (e.g. drop zero-variance groups);
+    ``advantages(groups)``: per group, per sample a float or a per-token list;
+    ``loss(batch, logprobs)``: this micro-batch's share of the loss (see ``Batch.token_mean``).
+    """
+
+    uses_rollout: bool
+    needs_reference: bool
+
+    def keep(self, group: Group) -> bool: ...
+
+    def advantages(self, groups: Sequence[Group]) -> list[list[Any]]: ...
+
+    def loss(self, batch: Batch, logprobs: "torch.Tensor") -> "tuple[torch.Tensor, dict[str, float]]": ...
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """Metric sink. Factory context: ``out_dir``, ``total_steps``."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,63 @@
+"""Pytest helpers for plugin authors: a fresh plugin manager, sample/group factories, a tiny model.
+
+Use in a ``conftest.py``: ``from miles.testing import *  # noqa`` or import the functions.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .plugins import make_plugin_manager
+from .types import Group, Sample, Task
+
+
+@pytest.fixture
+def plugin_manager():
+    """A fresh plugin manager with every installed plugin (none shared between tests)."""
+    return make_plugin_manager()
+
+
+def make_group(rewards: list[float], prompt_ids=(1, 2), response_len: int = 3,
+               task: Task | None = None) -> Group:
+    """A group with one sample per reward, each with ``response_len`` response tokens."""
+    task = task or Task(prompt="p", label="l")
+    samples = [Sample(task=task, prompt_ids=list(prompt_ids), response_ids=list(range(3, 3 + response_len)),
+                      logprobs=[-1.0] * response_len, reward=r) for r in rewards]
+    return Group(task=task, samples=samples)
+
+
+def char_tokenizer(chars: str = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz") -> Any:
+    """A real Hugging Face fast tokenizer over single characters, built locally (no hub)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>")
+
+
+class TinySpec:
+    """A test-double model spec: a random tiny Qwen2 causal LM (seeded) over a given tokenizer."""
+
+    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0):
+        self.kw = dict(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads)
+        self.seed = seed
+
+    def build_tokenizer(self, default: Any = None) -> Any:
+        return default or char_tokenizer()
+
+    def build_model(self, tokenizer: Any):
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(self.seed)
+        cfg = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=128, tie_word_embeddings=True,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                          **self.kw)
+        return Qwen2ForCausalLM(cfg).eval()

@@ -1,0 +1,204 @@
+"""Data contracts shared by the kernel and every plugin.
+
+Plain dataclasses, no torch at import time. ``Batch`` holds torch tensors and is built lazily by
+``Batch.from_samples``; its shapes are documented on the class.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+_task_ids = itertools.count()
+
+
+@dataclass
+class Task:
+    """One prompt of an environment.
+
+    ``prompt``: text (or a list of chat messages); ``label``: what the verifier compares against
+    (e.g. the exact answer); ``metadata``: anything the env needs to score or continue it;
+    ``id``: stable identifier (used for grouping and de-duplication).
+    """
+
+    prompt: Any
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+    id: str = ""
+
+    def __post_init__(self):
+        if not self.id:
+            self.id = f"task-{next(_task_ids)}"
+
+
+class Status(str, enum.Enum):
+    COMPLETED = "completed"  # hit a stop token
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"  # cancelled (engine paused, worker died)
+    FAILED = "failed"  # custom rollout raised
+
+
+@dataclass
+class Sample:
+    """One generated response to a task.
+
+    ``prompt_ids``/``response_ids``: token ids; ``logprobs``: the engine's log-probability of each
+    response token (temperature applied, before top-p/top-k), ``len == len(response_ids)``;
+    ``loss_mask``: 1 for response tokens the policy produced (train on), 0 for tokens it did not
+    (tool output in multi-turn); ``weight_version``: version of the weights that generated it;
+    ``extensions``: plugin-specific data keyed by plugin id.
+    """
+
+    task: Task
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    response: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] | None = None
+    reward: float | None = None
+    status: Status = Status.COMPLETED
+    weight_version: int = 0
+    extensions: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_ids)
+
+
+@dataclass
+class Group:
+    """The ``n`` samples drawn for one task (the unit of GRPO normalisation and of filtering)."""
+
+    task: Task
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [float(s.reward or 0.0) for s in self.samples]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (names follow SGLang's ``sampling_params``).
+
+    ``temperature == 0`` means greedy; ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """What an engine returns for one sampled sequence."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int = 0
+
+
+@dataclass
+class Batch:
+    """A padded training batch of B samples: prompt region of width P (left-padded) followed by a
+    response region of width R (right-padded), so every sample's response is ``[:, P:]``.
+
+    Tensors: ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, P+R]`` (long);
+    ``loss_mask``, ``advantages``, ``rollout_logprobs`` ``[B, R]`` (float);
+    ``old_logprobs``/``ref_logprobs``/``teacher_logprobs`` ``[B, R]`` or None; ``rewards`` ``[B]``.
+    ``global_tokens``/``global_samples``: loss-mask tokens and samples of the whole optimizer-step
+    batch this (micro-)batch belongs to, so each micro-batch's loss is its share of the global
+    mean (``token_mean``/``seq_mean``) and summing micro-batch gradients is exact.
+    """
+
+    input_ids: "torch.Tensor"
+    attention_mask: "torch.Tensor"
+    position_ids: "torch.Tensor"
+    prompt_len: int
+    loss_mask: "torch.Tensor"
+    advantages: "torch.Tensor"
+    rollout_logprobs: "torch.Tensor"
+    rewards: "torch.Tensor"
+    samples: list[Sample]
+    old_logprobs: "torch.Tensor | None" = None
+    ref_logprobs: "torch.Tensor | None" = None
+    teacher_logprobs: "torch.Tensor | None" = None
+    global_tokens: float = 0.0
+    global_samples: int = 0
+    extras: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], pad_id: int, advantages=None) -> "Batch":
+        """Pad samples into tensors. ``advantages``: per sample a float (broadcast over its
+        response tokens) or a list of per-token floats; default 0."""
+        import torch
+
+        P = max(len(s.prompt_ids) for s in samples)
+        R = max(1, max(len(s.response_ids) for s in samples))
+        B = len(samples)
+        ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+        attn = torch.zeros((B, P + R), dtype=torch.long)
+        lmask = torch.zeros((B, R))
+        adv = torch.zeros((B, R))
+        rlp = torch.zeros((B, R))
+        for i, s in enumerate(samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            ids[i, P - p:P] = torch.tensor(s.prompt_ids, dtype=torch.long)
+            attn[i, P - p:P + r] = 1
+            if r:
+                ids[i, P:P + r] = torch.tensor(s.response_ids, dtype=torch.long)
+                lmask[i, :r] = torch.tensor(s.loss_mask[:r], dtype=torch.float)
+                if s.logprobs:
+                    rlp[i, :r] = torch.tensor(s.logprobs[:r], dtype=torch.float)
+            if advantages is not None:
+                a = advantages[i]
+                adv[i, :r] = torch.tensor(a[:r]) if isinstance(a, (list, tuple)) else float(a)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
+        return cls(ids, attn, pos, P, lmask, adv, rlp, rewards, list(samples),
+                   global_tokens=float(lmask.sum().clamp(min=1)), global_samples=B)
+
+    def select(self, idx: list[int]) -> "Batch":
+        """Rows ``idx`` as a new Batch that keeps this batch's global denominators."""
+        import torch
+
+        t = torch.tensor(idx, dtype=torch.long)
+        pick = lambda x: None if x is None else x[t]  # noqa: E731
+        return replace(
+            self, input_ids=pick(self.input_ids), attention_mask=pick(self.attention_mask),
+            position_ids=pick(self.position_ids), loss_mask=pick(self.loss_mask),
+            advantages=pick(self.advantages), rollout_logprobs=pick(self.rollout_logprobs),
+            rewards=pick(self.rewards), old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs), teacher_logprobs=pick(self.teacher_logprobs),
+            samples=[self.samples[i] for i in idx],
+            extras={k: pick(v) if hasattr(v, "shape") else v for k, v in self.extras.items()})
+
+    def split(self, size: int) -> list["Batch"]:
+        """Micro-batches of at most ``size`` rows (global denominators preserved)."""
+        n = len(self)
+        return [self.select(list(range(i, min(i + size, n)))) for i in range(0, n, size)]
+
+    def as_global(self) -> "Batch":
+        """This batch with its own totals as the global denominators (a new optimizer step)."""
+        return replace(self, global_tokens=float(self.loss_mask.sum().clamp(min=1)),
+                       global_samples=len(self))
+
+    def token_mean(self, x: "torch.Tensor") -> "torch.Tensor":
+        """This micro-batch's share of the global token-mean of ``x`` ``[B, R]`` over loss_mask."""
+        return (x * self.loss_mask).sum() / self.global_tokens
+
+    def seq_mean(self, x: "torch.Tensor") -> "torch.Tensor":
+        """Share of the global mean over samples of each sample's token-mean of ``x``."""
+        per_seq = (x * self.loss_mask).sum(-1) / self.loss_mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / max(self.global_samples, 1)
