@@ -1,1 +1,104 @@
-"""Built-in defaults, registered through the same hooks as any plugin."""
+"""Built-in defaults, registered through the same hooks as any plugin: the single-turn rollout
+(``trylast``) and the ``console`` and ``jsonl`` metric sinks."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .hookspecs import hookimpl
+from .types import SamplingParams, Sample, Status, Task
+
+
+def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
+    """Token ids of a task prompt: chat messages through the chat template, text as is."""
+    if isinstance(prompt, list):
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def single_turn(tasks: list[Task], n: int, engine: Any, tokenizer: Any, params: SamplingParams) -> list[list[Sample]]:
+    """Generate ``n`` samples for each task in one batched engine call."""
+    prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
+    outs = engine.generate(prompts, params, n=n)
+    groups = []
+    for task, prompt_ids, completions in zip(tasks, prompts, outs):
+        groups.append([Sample(task=task, prompt_ids=prompt_ids, response_ids=c.token_ids,
+                              response=tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                              logprobs=c.logprobs, weight_version=c.weight_version,
+                              status=Status.COMPLETED if c.finish_reason == "stop" else Status.TRUNCATED)
+                       for c in completions])
+    return groups
+
+
+@hookimpl(trylast=True)
+def miles_rollout(task, n, engine, env):
+    """Default: one single-turn generation of ``n`` samples (the loop batches these calls)."""
+    return single_turn([task], n, engine, engine.tokenizer, engine.sampling_params)[0]
+
+
+class ConsoleConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    every: int = Field(1, gt=0, description="print every N steps (evaluations always print)")
+
+
+class ConsoleLogger:
+    """One rich line per step: reward, accuracy, tokens/s, ETA."""
+
+    def __init__(self, cfg: ConsoleConfig | None = None, *, total_steps: int = 0, **_):
+        from rich.console import Console
+
+        self.every = cfg.every if cfg else 1
+        self.total = total_steps
+        self.console = Console(highlight=False)
+        self.t0 = time.perf_counter()
+        self.first_step: int | None = None
+
+    def log(self, step: int, m: dict[str, Any]) -> None:
+        if step and self.first_step is None:
+            self.first_step, self.t0 = step, time.perf_counter()
+        if step % self.every and "eval_accuracy" not in m and step != self.total:
+            return
+        parts = [f"[bold]step {step}/{self.total}[/]"]
+        for key, label, fmt in (("reward_mean", "reward", ".3f"), ("eval_accuracy", "eval_acc", ".3f"),
+                                ("tokens_per_second", "tok/s", ",.0f"), ("step_seconds", "s/step", ".2f")):
+            if key in m:
+                parts.append(f"{label} {m[key]:{fmt}}")
+        if step and self.first_step is not None and step > self.first_step and self.total > step:
+            rate = (time.perf_counter() - self.t0) / (step - self.first_step)
+            parts.append(f"ETA {_fmt_seconds(rate * (self.total - step))}")
+        self.console.print("  ".join(parts))
+
+    def close(self) -> None:
+        pass
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+class JsonlLogger:
+    """Appends one JSON object per step to ``out_dir/metrics.jsonl`` (flushed every line)."""
+
+    def __init__(self, cfg: Any = None, *, out_dir: str, filename: str = "metrics.jsonl", **_):
+        os.makedirs(out_dir, exist_ok=True)
+        self.f = open(os.path.join(out_dir, filename), "a")
+
+    def log(self, step: int, m: dict[str, Any]) -> None:
+        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in m.items()}}
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+@hookimpl
+def miles_register_loggers(register):
+    register("console", ConsoleLogger, config=ConsoleConfig)
+    register("jsonl", JsonlLogger)

@@ -52,9 +52,13 @@ class Engine(Protocol):
     ``generate(prompts, params, n)`` returns, for each prompt, ``n`` completions with per-token
     log-probs. ``load_weights(named_tensors, version)`` replaces the weights (HF names) and sets
     ``weight_version``. An engine starts without usable weights: the loop syncs them first.
+    ``tokenizer`` is the run's tokenizer; ``sampling_params`` the run's rollout settings (set by
+    the loop, read by rollout hooks).
     """
 
     weight_version: int
+    tokenizer: Any
+    sampling_params: SamplingParams
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  n: int = 1) -> list[list[Completion]]: ...
@@ -70,7 +74,8 @@ class Trainer(Protocol):
     ``logprobs(batch, which)``: no-grad log-probs ``[B, R]`` of the response tokens under
     ``which`` in ``{"policy", "ref"}``; ``train_step(batch, loss_fn)``: one optimizer step over the
     batch (micro-batched), returns averaged metrics; ``snapshot_reference()``: freeze the current
-    policy as the reference model; ``named_weights()``: full weights in HF names (an iterator, so
+    policy as the reference model; ``load_weights(named)``: set the policy's weights (HF names);
+    ``named_weights()``: full weights in HF names (an iterator, so
     a sharded trainer can stream them); ``save(dir)``/``load(dir)``: full training state.
     """
 
@@ -79,6 +84,8 @@ class Trainer(Protocol):
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]: ...
 
     def snapshot_reference(self) -> None: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None: ...
 
     def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]: ...
 

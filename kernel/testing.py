@@ -29,7 +29,7 @@ def make_group(rewards: list[float], prompt_ids=(1, 2), response_len: int = 3,
 
 def char_tokenizer(chars: str = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz") -> Any:
     """A real Hugging Face fast tokenizer over single characters, built locally (no hub)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
@@ -37,6 +37,7 @@ def char_tokenizer(chars: str = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz") -
         vocab.setdefault(c, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join without spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    bos_token="<bos>")
 

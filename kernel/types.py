@@ -131,6 +131,7 @@ class Batch:
     old_logprobs: "torch.Tensor | None" = None
     ref_logprobs: "torch.Tensor | None" = None
     teacher_logprobs: "torch.Tensor | None" = None
+    temperature: float = 1.0  # rollout temperature: the trainer divides logits by it
     global_tokens: float = 0.0
     global_samples: int = 0
     extras: dict = field(default_factory=dict)

@@ -1,0 +1,81 @@
+"""Atomic checkpoints in ``out_dir/checkpoints/step_NNNNNN`` and resume bookkeeping."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+STATE = "state.json"
+
+
+def checkpoint_dir(out_dir: str) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def latest(out_dir: str) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete checkpoint (its folder and state), or None."""
+    root = checkpoint_dir(out_dir)
+    if not root.is_dir():
+        return None
+    for d in sorted(root.glob("step_*"), reverse=True):
+        try:
+            return d, json.loads((d / STATE).read_text())
+        except (OSError, ValueError):
+            continue  # an incomplete folder cannot exist (atomic rename) unless edited by hand
+    return None
+
+
+def save(out_dir: str, step: int, state: dict[str, Any], write: Callable[[str], None], keep: int) -> Path:
+    """Write a checkpoint atomically: fill a temp folder, fsync, rename, then prune old ones."""
+    root = checkpoint_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write(str(tmp))
+    (tmp / STATE).write_text(json.dumps({**state, "step": step}))
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def truncate_metrics(path: str, last_step: int | None) -> None:
+    """Drop rows logged after the checkpoint we resume from (they will be redone), atomically."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill mid-write
+            if last_step is not None and row.get("step", -1) <= last_step:
+                keep.append(json.dumps(row) + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

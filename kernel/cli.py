@@ -1,0 +1,118 @@
+"""``miles`` command line: train, eval, plugins."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .errors import MilesError
+
+USAGE_ERROR = 2
+
+
+def _load(args: argparse.Namespace):
+    """Plugin manager + validated config, with every config problem reported at once."""
+    from .config import apply_overrides, read_yaml, resolve
+    from .plugins import make_plugin_manager
+
+    data = apply_overrides(read_yaml(args.config), args.overrides)
+    launch = list(args.plugin or []) + [p for p in (data.get("plugins") or []) if isinstance(p, str)]
+    pm = make_plugin_manager(extra=launch)
+    return pm, resolve(pm, data, source=args.config)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .loop import Loop
+
+    pm, cfg = _load(args)
+    loop = Loop(pm, cfg)
+    try:
+        history = loop.run()
+    except KeyboardInterrupt:
+        print(f"interrupted; rerun the same command to resume from the last checkpoint in "
+              f"{cfg.run.out_dir}", file=sys.stderr)
+        return 130
+    evals = [h["eval_accuracy"] for h in history if "eval_accuracy" in h]
+    if evals:
+        print(f"done: {cfg.run.steps} steps in {cfg.run.out_dir}; eval_accuracy {evals[0]:.3f} -> {evals[-1]:.3f}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from . import checkpoint
+    from .loop import Loop
+
+    pm, cfg = _load(args)
+    loop = Loop(pm, cfg)
+    loop.build()
+    found = checkpoint.latest(cfg.run.out_dir)
+    loop.p.trainer = loop.make_trainer(cfg.settings("trainer"), loop.p.algorithm)
+    if found:
+        loop.p.trainer.load(str(found[0] / "trainer"))
+        loop.version = found[1]["weight_version"]
+    loop.sync()
+    result = {"step": found[1]["step"] if found else None, **loop.evaluate()}
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from .plugins import KINDS, make_plugin_manager, plugin_table
+
+    pm = make_plugin_manager(extra=args.plugin or [])
+    rows = plugin_table(pm)
+    components = {k: {n: c.plugin for n, c in pm.registry(k).items()} for k in KINDS}
+    if args.json:
+        print(json.dumps({"plugins": rows, "components": components}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="miles plugins")
+    for col in ("plugin", "distribution", "version", "hooks"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["distribution"] or r["origin"], r["version"] or "",
+                      ", ".join(h.removeprefix("miles_") for h in r["hooks"]))
+    console = Console()
+    console.print(table)
+    for kind, comps in components.items():
+        if comps:
+            console.print(f"[bold]{kind}[/]: " + ", ".join(sorted(comps)))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles", description="RL post-training as plugins")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fn, helptext in (("train", cmd_train, "run (or resume) a training run"),
+                               ("eval", cmd_eval, "evaluate the newest checkpoint of a run")):
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("config", help="YAML config file")
+        sp.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
+        sp.set_defaults(fn=fn)
+    sp = sub.add_parser("plugins", help="list discovered plugins and components")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
+    sp.set_defaults(fn=cmd_plugins)
+    return p
+
+
+def main(argv: list[str] | None = None) -> Any:
+    p = parser()
+    args, rest = p.parse_known_args(argv)  # overrides may come after --plugin options
+    if rest and (not hasattr(args, "overrides") or any("=" not in r or r.startswith("-") for r in rest)):
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.overrides += rest
+    try:
+        return args.fn(args)
+    except MilesError as e:
+        print(f"miles: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Config: one YAML file plus ``key.sub=value`` overrides, validated all at once.
+
+Kernel sections (``run``, ``rollout``) have schemas here; a section that selects a component
+(``model``, ``env``, ``engine``, ``algorithm``, ``trainer``, ``sync``, ``launcher``) names it with
+``name`` and the rest of the section is validated by that component's own schema.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+from .plugins import SECTION_KINDS, MilesPluginManager
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WarmStartConfig(Strict):
+    """Supervised warm start on ``env.demonstrations()`` before RL, run to convergence: it stops
+    when eval accuracy has not improved by ``min_delta`` for ``patience`` evaluations."""
+
+    max_steps: int = Field(2000, gt=0, description="upper bound on supervised steps")
+    batch_size: int = Field(256, gt=0, description="demonstrations per step")
+    eval_every: int = Field(50, gt=0, description="supervised steps between evaluations")
+    patience: int = Field(4, gt=0, description="evaluations without improvement before stopping")
+    min_delta: float = Field(0.005, ge=0, description="improvement that resets patience")
+    algorithm: str = Field("sft", description="registered algorithm used for the warm start")
+    trainer: dict[str, Any] = Field(default_factory=dict,
+                                    description="trainer settings overridden during the warm start")
+
+
+class RunConfig(Strict):
+    steps: int = Field(100, ge=0, description="training steps of the run")
+    out_dir: str = Field("runs/default", description="run folder: metrics.jsonl, checkpoints, config")
+    seed: int = Field(0, description="seed for data order, sampling and initialisation")
+    checkpoint_every: int = Field(20, gt=0, description="steps between checkpoints (the last step always)")
+    keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept on disk")
+    eval_every: int = Field(10, gt=0, description="steps between evaluations (step 0 and the last always)")
+    threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
+    warm_start: WarmStartConfig | None = Field(None, description="optional supervised warm start")
+
+
+class RolloutConfig(Strict):
+    batch_size: int = Field(64, gt=0, description="prompts per training step")
+    n: int = Field(4, gt=0, description="samples per prompt (group size)")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold")
+    top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    max_new_tokens: int = Field(16, gt=0, description="response length limit")
+    oversample_rounds: int = Field(0, ge=0, description="extra rollout rounds to refill a batch "
+                                   "whose groups were filtered out (bounded, never a hang)")
+    minibatches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style "
+                             "mini-batches; >1 recomputes old log-probs)")
+    eval_max_new_tokens: int | None = Field(None, gt=0, description="limit for greedy evaluation "
+                                            "(default: max_new_tokens)")
+
+
+KERNEL_SECTIONS: dict[str, type[BaseModel]] = {"run": RunConfig, "rollout": RolloutConfig}
+DEFAULT_NAMES = {"model": "hf", "env": "arith", "engine": "torch", "algorithm": "grpo",
+                 "trainer": "fsdp2", "sync": "tensor", "launcher": None}
+TOP_LEVEL = [*KERNEL_SECTIONS, *SECTION_KINDS, "loggers", "plugins"]
+
+
+@dataclass
+class Config:
+    run: RunConfig
+    rollout: RolloutConfig
+    components: dict[str, tuple[str | None, Any]]  # section -> (name, validated settings)
+    loggers: list[tuple[str, Any]]
+    plugins: list[str]
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def name(self, section: str) -> str | None:
+        return self.components[section][0]
+
+    def settings(self, section: str) -> Any:
+        return self.components[section][1]
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"file {path} does not exist"], source=str(path))
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"not valid YAML: {e}"], source=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError(["the top level must be a mapping of sections"], source=str(path))
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``a.b=value`` (value parsed as YAML, so numbers/bools/lists work)."""
+    problems = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            problems.append(f"override {item!r} must look like key.sub=value")
+            continue
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.setdefault(part, {}), dict):
+                node[part] = {}
+            node = node[part]
+        try:
+            node[parts[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems, source="command line")
+    return data
+
+
+def _pydantic_problems(prefix: str, err: ValidationError, model: type[BaseModel] | None) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in (prefix, *e["loc"]) if x != "")
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(_fields_at(model, e["loc"][:-1])))
+            out.append(f"{loc}: unknown key; allowed keys: {allowed}")
+        else:
+            got = e.get("input")
+            got = "" if isinstance(got, dict) else f" (got {got!r})"
+            out.append(f"{loc}: {e['msg']}{got}")
+    return out
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    for part in loc:
+        info = getattr(model, "model_fields", {}).get(part)
+        ann = getattr(info, "annotation", None)
+        model = next((a for a in getattr(ann, "__args__", (ann,)) if hasattr(a, "model_fields")), None)
+    return list(getattr(model, "model_fields", {}) or ["name"])
+
+
+def validate_section(pm: MilesPluginManager, section: str, raw: Any, problems: list[str]):
+    """(name, settings) for a component section; problems appended, never raised."""
+    kind = SECTION_KINDS[section]
+    raw = dict(raw) if isinstance(raw, dict) else ({} if raw is None else raw)
+    if not isinstance(raw, dict):
+        problems.append(f"{section}: must be a mapping with a 'name' key")
+        return None, None
+    name = raw.pop("name", DEFAULT_NAMES[section])
+    if name is None:
+        if raw:
+            problems.append(f"{section}: settings given but no {section}.name")
+        return None, None
+    registry = pm.registry(kind)
+    if name not in registry:
+        known = ", ".join(sorted(registry)) or "none installed"
+        problems.append(f"{section}.name: unknown {kind[:-1].replace('_', ' ')} {name!r}; "
+                        f"registered: {known} (install or --plugin the plugin that provides it)")
+        return name, None
+    return name, validate_settings(registry[name].config, section, raw, problems)
+
+
+def validate_settings(model: type[BaseModel] | None, prefix: str, raw: dict, problems: list[str]):
+    if model is None:
+        if raw:
+            problems.append(f"{prefix}: takes no settings; unknown keys: {', '.join(raw)}")
+        return None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        problems.extend(_pydantic_problems(prefix, e, model))
+        return None
+
+
+def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config") -> Config:
+    """Validate everything; raise one ConfigError listing every problem."""
+    problems: list[str] = []
+    for key in data:
+        if key not in TOP_LEVEL:
+            problems.append(f"{key}: unknown section; allowed: {', '.join(TOP_LEVEL)}")
+    kernel = {}
+    for section, model in KERNEL_SECTIONS.items():
+        raw = data.get(section) or {}
+        try:
+            kernel[section] = model.model_validate(raw)
+        except ValidationError as e:
+            problems.extend(_pydantic_problems(section, e, model))
+    components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
+    run = kernel.get("run")
+    if run is not None and run.warm_start is not None:
+        ws = run.warm_start
+        if ws.algorithm not in pm.registry("algorithms"):
+            problems.append(f"run.warm_start.algorithm: unknown algorithm {ws.algorithm!r}")
+        trainer_name = components["trainer"][0]
+        if trainer_name in pm.registry("trainers"):
+            merged = {**{k: v for k, v in (data.get("trainer") or {}).items() if k != "name"}, **ws.trainer}
+            validate_settings(pm.registry("trainers")[trainer_name].config, "run.warm_start.trainer",
+                              merged, problems)
+    loggers = []
+    raw_loggers = data.get("loggers", ["console"]) or []
+    if not isinstance(raw_loggers, list):
+        problems.append("loggers: must be a list of logger names or {name: ...} mappings")
+        raw_loggers = []
+    registry = pm.registry("loggers")
+    for i, item in enumerate(raw_loggers):
+        entry = {"name": item} if isinstance(item, str) else dict(item or {})
+        name = entry.pop("name", None)
+        if name not in registry:
+            problems.append(f"loggers[{i}]: unknown logger {name!r}; registered: {', '.join(sorted(registry))}")
+            continue
+        loggers.append((name, validate_settings(registry[name].config, f"loggers[{i}]", entry, problems)))
+    plugins = data.get("plugins") or []
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        problems.append("plugins: must be a list of module names or .py paths")
+    if problems:
+        raise ConfigError(problems, source=source)
+    return Config(kernel["run"], kernel["rollout"], components, loggers, plugins, data)
+
+
+def warm_start_trainer_settings(pm: MilesPluginManager, cfg: Config) -> Any:
+    """The trainer's settings with ``run.warm_start.trainer`` applied (validated in resolve)."""
+    name, settings = cfg.components["trainer"]
+    over = cfg.run.warm_start.trainer
+    return settings.model_copy(update=over) if settings is not None and over else settings

@@ -1,0 +1,300 @@
+"""The post-training loop: tasks -> rollout -> rewards -> filters -> advantages -> train -> sync."""
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import yaml
+
+from . import builtin, checkpoint
+from .builtin import encode_prompt, single_turn
+from .config import Config, warm_start_trainer_settings
+from .plugins import MilesPluginManager, call_all, call_first
+from .types import Batch, Group, Sample, SamplingParams, Task
+
+
+@dataclass
+class Parts:
+    """The components of one run, built from the config."""
+
+    env: Any
+    spec: Any
+    tokenizer: Any
+    algorithm: Any
+    engine: Any
+    transport: Any
+    trainer: Any = None
+
+
+class Loop:
+    def __init__(self, pm: MilesPluginManager, cfg: Config):
+        self.pm, self.cfg = pm, cfg
+        self.seed = cfg.run.seed
+        self.version = 0
+        self.loggers: list[Any] = []
+
+    # -- construction ------------------------------------------------------------------------------
+    def build(self) -> Parts:
+        import torch
+
+        cfg, pm = self.cfg, self.pm
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        torch.manual_seed(self.seed)
+        env = pm.create("envs", cfg.name("env"), cfg.settings("env"), seed=self.seed)
+        spec = pm.create("model_specs", cfg.name("model"), cfg.settings("model"))
+        tokenizer = spec.build_tokenizer(env.tokenizer() if hasattr(env, "tokenizer") else None)
+        algorithm = pm.create("algorithms", cfg.name("algorithm"), cfg.settings("algorithm"))
+        engine = pm.create("engines", cfg.name("engine"), cfg.settings("engine"), spec=spec,
+                           tokenizer=tokenizer, seed=self.seed)
+        engine.tokenizer = tokenizer
+        transport = pm.create("transports", cfg.name("sync"), cfg.settings("sync"))
+        self.p = Parts(env, spec, tokenizer, algorithm, engine, transport)
+        r = cfg.rollout
+        stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens, stops)
+        self.eval_params = SamplingParams(0.0, 1.0, 0, r.eval_max_new_tokens or r.max_new_tokens, stops)
+        self.train_tasks = list(env.tasks("train"))
+        return self.p
+
+    def make_trainer(self, settings: Any, algorithm: Any) -> Any:
+        return self.pm.create("trainers", self.cfg.name("trainer"), settings, spec=self.p.spec,
+                              tokenizer=self.p.tokenizer, seed=self.seed, algorithm=algorithm,
+                              total_steps=self.cfg.run.steps)
+
+    # -- rollout, rewards, evaluation --------------------------------------------------------------
+    def rollout(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
+        """Custom ``miles_rollout`` hooks first; tasks nobody claims go to one batched call."""
+        engine, out = self.p.engine, {}
+        engine.sampling_params = params
+        if len(self.pm.hook.miles_rollout.get_hookimpls()) > 1:
+            for i, t in enumerate(tasks):
+                samples = call_first(self.pm, "miles_rollout", skip=(builtin,), task=t, n=n,
+                                     engine=engine, env=self.p.env)
+                if samples is not None:
+                    out[i] = samples
+        pending = [i for i in range(len(tasks)) if i not in out]
+        if pending:
+            batched = single_turn([tasks[i] for i in pending], n, engine, self.p.tokenizer, params)
+            out.update(zip(pending, batched))
+        groups = [Group(t, out[i]) for i, t in enumerate(tasks)]
+        for g in groups:
+            for s in g.samples:
+                self.score(s)
+        return groups
+
+    def score(self, s: Sample) -> None:
+        r = call_first(self.pm, "miles_reward", sample=s)
+        if r is None:
+            r = s.reward if s.reward is not None else self.p.env.reward(s)
+        s.reward = float(r)
+
+    def evaluate(self) -> dict[str, float]:
+        tasks = list(self.p.env.tasks("eval"))
+        groups = self.rollout(tasks, 1, self.eval_params)
+        rewards = [g.samples[0].reward for g in groups]
+        return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+                "eval_reward_mean": sum(rewards) / max(len(rewards), 1)}
+
+    def sync(self) -> dict[str, float]:
+        return self.p.transport.sync(self.p.trainer, [self.p.engine], self.version)
+
+    # -- batches -----------------------------------------------------------------------------------
+    def demo_samples(self, demos: list, count: int, rng: random.Random) -> list[Sample]:
+        tok, eos = self.p.tokenizer, self.p.tokenizer.eos_token_id
+        out = []
+        for task, text in (rng.choice(demos) for _ in range(count)):
+            ids = list(tok.encode(text, add_special_tokens=False)) + ([eos] if eos is not None else [])
+            out.append(Sample(task=task, prompt_ids=encode_prompt(tok, task.prompt), response_ids=ids,
+                              response=text, weight_version=self.version))
+        return out
+
+    def loss_fn(self, algorithm: Any):
+        pm = self.pm
+
+        def fn(batch: Batch, logprobs):
+            custom = call_first(pm, "miles_loss", batch=batch, logprobs=logprobs)
+            loss, metrics = custom if custom is not None else algorithm.loss(batch, logprobs)
+            if batch.samples and batch.samples[0].logprobs:
+                diff = (logprobs.detach() - batch.rollout_logprobs).abs()
+                m = batch.loss_mask
+                metrics = {**metrics, "train_rollout_logprob_abs_diff": float((diff * m).sum() / m.sum().clamp(min=1))}
+            return loss, metrics
+        return fn
+
+    def update(self, samples: list[Sample], advantages: list, algorithm: Any) -> dict[str, float]:
+        """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch."""
+        trainer = self.p.trainer
+        batch = Batch.from_samples(samples, self.p.tokenizer.pad_token_id, advantages)
+        batch.temperature = self.params.temperature or 1.0
+        if getattr(algorithm, "needs_reference", False):
+            batch.ref_logprobs = trainer.logprobs(batch, "ref")
+        k = max(1, min(self.cfg.rollout.minibatches, len(batch)))
+        if k > 1:
+            batch.old_logprobs = trainer.logprobs(batch, "policy")
+        order = list(range(len(batch)))
+        random.Random(self.seed + self.version).shuffle(order)
+        chunks = [order[i::k] for i in range(k)] if k > 1 else [order]
+        totals: dict[str, float] = {}
+        for idx in chunks:
+            mb = batch.select(sorted(idx)).as_global() if k > 1 else batch
+            for key, v in trainer.train_step(mb, self.loss_fn(algorithm)).items():
+                totals[key] = totals.get(key, 0.0) + v / len(chunks)
+        return totals
+
+    # -- phases ------------------------------------------------------------------------------------
+    def warm_start(self) -> None:
+        """Supervised training on demonstrations until eval accuracy plateaus."""
+        ws, env = self.cfg.run.warm_start, self.p.env
+        if not hasattr(env, "demonstrations"):
+            from .errors import MilesError
+            raise MilesError(f"run.warm_start needs demonstrations, but env {self.cfg.name('env')!r} "
+                             f"has none; remove run.warm_start or pick an env that provides them")
+        algo = self.pm.create("algorithms", ws.algorithm, None)
+        self.p.trainer = self.make_trainer(warm_start_trainer_settings(self.pm, self.cfg), algo)
+        demos, rng = list(env.demonstrations()), random.Random(self.seed)
+        best, stale, log = -1.0, 0, builtin.JsonlLogger(out_dir=self.cfg.run.out_dir, filename="warm_start.jsonl")
+        t0 = time.perf_counter()
+        for step in range(1, ws.max_steps + 1):
+            m = self.update(self.demo_samples(demos, ws.batch_size, rng), [0.0] * ws.batch_size, algo)
+            if step % ws.eval_every and step != ws.max_steps:
+                continue
+            self.version += 1
+            self.sync()
+            m.update(self.evaluate(), seconds=time.perf_counter() - t0)
+            log.log(step, m)
+            self.console(f"warm start step {step}: eval_acc {m['eval_accuracy']:.3f}  "
+                         f"loss {m.get('sft_loss', float('nan')):.4f}")
+            if m["eval_accuracy"] > best + ws.min_delta:
+                best, stale = m["eval_accuracy"], 0
+            else:
+                stale += 1
+                if stale >= ws.patience:
+                    break
+        log.close()
+        weights = dict(self.p.trainer.named_weights())
+        self.p.trainer = self.make_trainer(self.cfg.settings("trainer"), self.p.algorithm)
+        self.p.trainer.load_weights(weights.items())
+
+    def console(self, text: str) -> None:
+        for lg in self.loggers:
+            if isinstance(lg, builtin.ConsoleLogger):
+                lg.console.print(text)
+
+    def rl_step(self, step: int) -> dict[str, Any]:
+        cfg, algo = self.cfg, self.p.algorithm
+        t0 = time.perf_counter()
+        rng = random.Random(self.seed * 1_000_003 + step)
+        if not algo.uses_rollout:
+            n = cfg.rollout.batch_size * cfg.rollout.n
+            m = self.update(self.demo_samples(list(self.p.env.demonstrations()), n, rng), [0.0] * n, algo)
+            return {**m, **self._after_update(t0), "reward_mean": float("nan")}
+        params = replace(self.params, seed=rng.randrange(2**31))
+        kept, sampled, dropped = [], [], 0
+        for _ in range(cfg.rollout.oversample_rounds + 1):
+            need = cfg.rollout.batch_size - len(kept)
+            tasks = rng.sample(self.train_tasks, min(need, len(self.train_tasks)))
+            groups = self.rollout(tasks, cfg.rollout.n, params)
+            sampled += groups
+            for g in groups:
+                if algo.keep(g) and False not in call_all(self.pm, "miles_filter", group=g):
+                    kept.append(g)
+                else:
+                    dropped += 1
+            if len(kept) >= cfg.rollout.batch_size:
+                break
+        t_roll = time.perf_counter()
+        samples = [s for g in sampled for s in g.samples]
+        rewards = [s.reward for s in samples]
+        m: dict[str, Any] = {
+            "reward_mean": sum(rewards) / len(rewards),
+            "groups_kept": len(kept), "groups_dropped": dropped,
+            "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "tokens_per_second": sum(len(s.response_ids) for s in samples) / max(t_roll - t0, 1e-9),
+            "rollout_seconds": t_roll - t0}
+        if kept:  # a step whose groups were all dropped is logged without an update
+            advs = [a for per_group in algo.advantages(kept) for a in per_group]
+            m.update(self.update([s for g in kept for s in g.samples], advs, algo))
+            m.update(self._after_update(t_roll))
+        m.update(weight_version=self.version, step_seconds=time.perf_counter() - t0)
+        return m
+
+    def _after_update(self, t_train: float) -> dict[str, Any]:
+        """Timing of the update just made, then a new weight version pushed to the engines."""
+        m = {"train_seconds": time.perf_counter() - t_train}
+        self.version += 1
+        m.update(self.sync())
+        return m
+
+    # -- the run -----------------------------------------------------------------------------------
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for lg in self.loggers:
+            lg.log(step, metrics)
+        call_all(self.pm, "miles_on_step_end", step=step, metrics=metrics)
+
+    def save(self, step: int) -> None:
+        checkpoint.save(self.cfg.run.out_dir, step, {"weight_version": self.version},
+                        lambda d: self.p.trainer.save(os.path.join(d, "trainer")), self.cfg.run.keep_checkpoints)
+
+    def open_loggers(self) -> None:
+        run = self.cfg.run
+        self.loggers = [builtin.JsonlLogger(out_dir=run.out_dir)]
+        for name, settings in self.cfg.loggers:
+            if name != "jsonl":
+                self.loggers.append(self.pm.create("loggers", name, settings, out_dir=run.out_dir,
+                                                   total_steps=run.steps))
+
+    def restore(self) -> int:
+        """Resume from the newest checkpoint; the first step still to run."""
+        found = checkpoint.latest(self.cfg.run.out_dir)
+        checkpoint.truncate_metrics(os.path.join(self.cfg.run.out_dir, "metrics.jsonl"),
+                                    found[1]["step"] if found else None)
+        if not found:
+            return 0
+        path, state = found
+        self.p.trainer = self.make_trainer(self.cfg.settings("trainer"), self.p.algorithm)
+        self.p.trainer.load(str(path / "trainer"))
+        self.version = state["weight_version"]
+        self.sync()
+        return state["step"] + 1
+
+    def run(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        os.makedirs(cfg.run.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.run.out_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(cfg.raw, f, sort_keys=False)
+        self.build()
+        start = self.restore()
+        self.open_loggers()
+        history = []
+        try:
+            if start == 0:
+                if cfg.run.warm_start:
+                    self.warm_start()
+                else:
+                    self.p.trainer = self.make_trainer(cfg.settings("trainer"), self.p.algorithm)
+                if getattr(self.p.algorithm, "needs_reference", False):
+                    self.p.trainer.snapshot_reference()
+                self.sync()
+                m = self.evaluate()
+                self.log(0, m)
+                history.append({"step": 0, **m})
+                self.save(0)
+                start = 1
+            else:
+                self.console(f"resuming from step {start - 1} in {cfg.run.out_dir}")
+            for step in range(start, cfg.run.steps + 1):
+                m = self.rl_step(step)
+                if step % cfg.run.eval_every == 0 or step == cfg.run.steps:
+                    m.update(self.evaluate())
+                self.log(step, m)
+                history.append({"step": step, **m})
+                if step % cfg.run.checkpoint_every == 0 or step == cfg.run.steps:
+                    self.save(step)
+        finally:
+            for lg in self.loggers:
+                lg.close()
+        return history

@@ -1,0 +1,15 @@
+"""Trainer ``fsdp2``: PyTorch training of a Hugging Face causal LM (world size 1 is plain torch)."""
+from miles import hookimpl
+
+
+@hookimpl
+def miles_register_trainers(register):
+    from .config import FSDP2Config
+
+    register("fsdp2", _make, config=FSDP2Config)
+
+
+def _make(cfg, **context):
+    from .trainer import FSDP2Trainer
+
+    return FSDP2Trainer(cfg, **context)

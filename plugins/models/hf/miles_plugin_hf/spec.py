@@ -1,0 +1,46 @@
+"""Build a Hugging Face causal LM and tokenizer (no hub access: local folders or inline configs)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from miles import MilesError
+
+from .config import HFModelConfig
+
+
+class HFModelSpec:
+    def __init__(self, cfg: HFModelConfig):
+        self.cfg = cfg
+
+    def build_tokenizer(self, default: Any = None) -> Any:
+        from transformers import AutoTokenizer
+
+        folder = self.cfg.tokenizer or self.cfg.path
+        if folder is None:
+            if default is None:
+                raise MilesError("model.tokenizer is not set and the env offers no tokenizer; "
+                                 "set model.tokenizer to a local tokenizer folder")
+            return default
+        tok = AutoTokenizer.from_pretrained(folder)
+        if tok.pad_token_id is None:  # batching needs a pad id; eos is the usual stand-in
+            tok.pad_token = tok.eos_token
+        return tok
+
+    def build_model(self, tokenizer: Any) -> torch.nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dtype = getattr(torch, self.cfg.dtype)
+        if self.cfg.path is not None:
+            return AutoModelForCausalLM.from_pretrained(self.cfg.path, dtype=dtype)
+        kw = dict(self.cfg.config)
+        model_type = kw.pop("model_type")
+        kw.setdefault("vocab_size", len(tokenizer))
+        for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            if getattr(tokenizer, key, None) is not None:
+                kw.setdefault(key, getattr(tokenizer, key))
+        try:
+            config = AutoConfig.for_model(model_type, **kw)
+        except (ValueError, TypeError) as e:
+            raise MilesError(f"model.config: {e}") from None
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -1,0 +1,78 @@
+"""Config errors: every problem at once, naming the key and what is allowed; clean CLI exits."""
+import pytest
+
+from miles.config import apply_overrides, read_yaml, resolve
+from miles.errors import ConfigError
+from miles.plugins import make_plugin_manager
+
+TINY = "tests/tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return make_plugin_manager()
+
+
+def _problems(pm, data):
+    with pytest.raises(ConfigError) as e:
+        resolve(pm, data)
+    return e.value.problems
+
+
+def test_valid_config_resolves_to_typed_sections(pm):
+    cfg = resolve(pm, apply_overrides(read_yaml(TINY), ["run.steps=3", "algorithm.clip_low=0.1"]))
+    assert cfg.run.steps == 3
+    assert cfg.name("algorithm") == "grpo" and cfg.settings("algorithm").clip_low == 0.1
+    assert cfg.name("trainer") == "fsdp2" and cfg.settings("trainer").lr == 1e-3
+
+
+def test_all_problems_reported_at_once(pm):
+    data = apply_overrides(read_yaml(TINY), ["run.stepz=3", "rollout.n=zero", "algorithm.clip_lo=1",
+                                             "engine.name=warp", "bogus.x=1"])
+    problems = "\n".join(_problems(pm, data))
+    assert "run.stepz: unknown key; allowed keys:" in problems and "steps" in problems
+    assert "rollout.n:" in problems and "'zero'" in problems
+    assert "algorithm.clip_lo: unknown key" in problems and "clip_low" in problems
+    assert "engine.name: unknown engine 'warp'; registered: torch" in problems
+    assert "bogus: unknown section" in problems
+
+
+def test_component_schema_checks_values(pm):
+    problems = _problems(pm, apply_overrides(read_yaml(TINY), ["algorithm.clip_high=0.1", "trainer.lr=-1"]))
+    assert any(p.startswith("algorithm") and "clip_high" in p for p in problems)
+    assert any(p.startswith("trainer.lr") for p in problems)
+
+
+def test_missing_file_and_broken_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_yaml(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: {steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        read_yaml(str(bad))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", TINY, "run.stepz=1"], "run.stepz: unknown key"),
+    (["train", TINY, "rollout.temperature=hot"], "rollout.temperature"),
+    (["train", "tests/missing.yaml"], "does not exist"),
+    (["train", TINY, "env.name=chess"], "unknown env 'chess'"),
+    (["train", TINY, "--plugin", "tests/nonexistent_plugin.py"], "nonexistent_plugin.py does not exist"),
+])
+def test_cli_errors_are_clean(cli, args, needle):
+    r = cli(*args)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_cli_broken_yaml_and_failing_plugin(cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  steps: [\n")
+    r = cli("train", str(bad))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and "Traceback" not in r.stderr
+    plug = tmp_path / "explodes.py"
+    plug.write_text("import nonexistent_module_xyz\n")
+    r = cli("train", TINY, "--plugin", str(plug))
+    assert r.returncode == 2 and "explodes.py failed to import" in r.stderr
+    assert "nonexistent_module_xyz" in r.stderr and "Traceback" not in r.stderr
