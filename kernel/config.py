@@ -72,6 +72,7 @@ class Config:
     run: RunConfig
     rollout: RolloutConfig
     components: dict[str, tuple[str | None, Any]]  # section -> (name, validated settings)
+    warm_start_trainer: Any  # trainer settings with run.warm_start.trainer applied
     loggers: list[tuple[str, Any]]
     plugins: list[str]
     raw: dict[str, Any] = field(default_factory=dict)
@@ -110,13 +111,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(node.setdefault(part, {}), dict):
                 node[part] = {}
             node = node[part]
-        try:
-            node[parts[-1]] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            node[parts[-1]] = value
+        node[parts[-1]] = _scalar(value)
     if problems:
         raise ConfigError(problems, source="command line")
     return data
+
+
+def _scalar(text: str) -> Any:
+    """YAML parsing of an override value, plus the floats YAML 1.1 leaves as strings (2e-3)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _pydantic_problems(prefix: str, err: ValidationError, model: type[BaseModel] | None) -> list[str]:
@@ -188,7 +200,7 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
         except ValidationError as e:
             problems.extend(_pydantic_problems(section, e, model))
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
-    run = kernel.get("run")
+    run, warm_trainer = kernel.get("run"), None
     if run is not None and run.warm_start is not None:
         ws = run.warm_start
         if ws.algorithm not in pm.registry("algorithms"):
@@ -196,8 +208,8 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
         trainer_name = components["trainer"][0]
         if trainer_name in pm.registry("trainers"):
             merged = {**{k: v for k, v in (data.get("trainer") or {}).items() if k != "name"}, **ws.trainer}
-            validate_settings(pm.registry("trainers")[trainer_name].config, "run.warm_start.trainer",
-                              merged, problems)
+            warm_trainer = validate_settings(pm.registry("trainers")[trainer_name].config,
+                                             "run.warm_start.trainer", merged, problems)
     loggers = []
     raw_loggers = data.get("loggers", ["console"]) or []
     if not isinstance(raw_loggers, list):
@@ -216,11 +228,4 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
         problems.append("plugins: must be a list of module names or .py paths")
     if problems:
         raise ConfigError(problems, source=source)
-    return Config(kernel["run"], kernel["rollout"], components, loggers, plugins, data)
-
-
-def warm_start_trainer_settings(pm: MilesPluginManager, cfg: Config) -> Any:
-    """The trainer's settings with ``run.warm_start.trainer`` applied (validated in resolve)."""
-    name, settings = cfg.components["trainer"]
-    over = cfg.run.warm_start.trainer
-    return settings.model_copy(update=over) if settings is not None and over else settings
+    return Config(kernel["run"], kernel["rollout"], components, warm_trainer, loggers, plugins, data)

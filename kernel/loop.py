@@ -11,7 +11,7 @@ import yaml
 
 from . import builtin, checkpoint
 from .builtin import encode_prompt, single_turn
-from .config import Config, warm_start_trainer_settings
+from .config import Config
 from .plugins import MilesPluginManager, call_all, call_first
 from .types import Batch, Group, Sample, SamplingParams, Task
 
@@ -154,7 +154,7 @@ class Loop:
             raise MilesError(f"run.warm_start needs demonstrations, but env {self.cfg.name('env')!r} "
                              f"has none; remove run.warm_start or pick an env that provides them")
         algo = self.pm.create("algorithms", ws.algorithm, None)
-        self.p.trainer = self.make_trainer(warm_start_trainer_settings(self.pm, self.cfg), algo)
+        self.p.trainer = self.make_trainer(self.cfg.warm_start_trainer, algo)
         demos, rng = list(env.demonstrations()), random.Random(self.seed)
         best, stale, log = -1.0, 0, builtin.JsonlLogger(out_dir=self.cfg.run.out_dir, filename="warm_start.jsonl")
         t0 = time.perf_counter()

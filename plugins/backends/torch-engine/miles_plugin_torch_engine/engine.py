@@ -1,0 +1,203 @@
+"""The ``torch`` rollout engine: batched, KV-cached sampling with a Hugging Face causal LM."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from miles import Completion, SamplingParams
+
+from .config import TorchEngineConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = [[pad] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return (torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(mask, dtype=torch.long, device=device))
+
+
+def _repeat_cache(cache: Any, n: int) -> Any:
+    """The prefilled cache with every row repeated ``n`` times (samples of a prompt are adjacent)."""
+    if n == 1:
+        return cache
+    if hasattr(cache, "batch_repeat_interleave"):  # transformers Cache objects (in place)
+        cache.batch_repeat_interleave(n)
+        return cache
+    # legacy tuple-of-(key, value) caches of custom models
+    return tuple(tuple(t.repeat_interleave(n, dim=0) for t in layer) for layer in cache)
+
+
+def _filter(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``logp`` with tokens outside the top-k / nucleus set to -inf (renormalised between filters,
+    as Hugging Face does)."""
+    if 0 < top_k < logp.shape[-1]:
+        kth = logp.topk(top_k, dim=-1).values[:, -1:]
+        logp = logp.masked_fill(logp < kth, float("-inf"))
+    if top_p < 1.0:
+        logp = torch.log_softmax(logp, dim=-1)
+        sorted_lp, order = logp.sort(dim=-1, descending=True)
+        probs = sorted_lp.exp()
+        # drop a token once the tokens ranked above it already cover top_p (the first always stays)
+        drop = (probs.cumsum(dim=-1) - probs) > top_p
+        sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+        logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_lp)
+    return logp
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams,
+            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob under ``log_softmax(logits / T)`` (before filtering,
+    which is what the trainer recomputes)."""
+    logits = logits.float()
+    if params.temperature <= 0:
+        tok = logits.argmax(dim=-1)
+        return tok, torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    probs = _filter(logp, params.top_k, params.top_p).exp()
+    # exponential race (argmax p/E, E ~ Exp(1)) samples from p without multinomial's host sync;
+    # -log(U) is ~2x faster than exponential_ on CPU
+    noise = torch.rand(probs.shape, generator=gen, device=probs.device).log_().neg_()
+    tok = (probs / noise).argmax(dim=-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class TorchEngine:
+    """Rollout engine running the spec's model in this process (CPU or one GPU)."""
+
+    def __init__(self, cfg: TorchEngineConfig, *, spec: Any, tokenizer: Any, seed: int = 0, **_: Any):
+        self.cfg = cfg
+        self.device = _device(cfg.device)
+        self.tokenizer = tokenizer
+        self.model = spec.build_model(tokenizer).to(device=self.device, dtype=_DTYPES[cfg.dtype]).eval()
+        self.weight_version = 0
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        # transformers 5.24 renamed past_key_values -> cache (the old name warns and goes in 5.40);
+        # older releases only know past_key_values. The output attribute follows the same name.
+        sig = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in sig else "past_key_values"
+        self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
+        self._targets = dict(self.model.named_parameters(remove_duplicate=False))
+        self._targets.update(self.model.named_buffers(remove_duplicate=False))
+
+    # -- weights ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        for name, tensor in named_tensors:
+            dst = self._targets.get(name)
+            if dst is None:
+                raise ValueError(f"torch engine: the model has no parameter or buffer named {name!r}")
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"torch engine: {name!r} has shape {tuple(dst.shape)}, "
+                                 f"got {tuple(tensor.shape)}")
+            dst.copy_(tensor)  # casts dtype/device; tied names share storage, so both are fine
+        self.weight_version = version
+
+    # -- generation ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 n: int = 1) -> list[list[Completion]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("torch engine: empty prompt (need at least one token, e.g. BOS)")
+        gen = self._gen
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        stop = set(params.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for idx, reps in self._chunks(len(prompts), n):
+            comps = self._generate_chunk([prompts[i] for i in idx], reps, params, gen, stop_t)
+            for j, i in enumerate(idx):
+                out[i].extend(comps[j * reps:(j + 1) * reps])
+        return out
+
+    def _chunks(self, num: int, n: int) -> Iterator[tuple[list[int], int]]:
+        """(prompt indices, samples per prompt) so that each chunk holds <= max_batch_size rows."""
+        mbs = self.cfg.max_batch_size
+        if n <= mbs:
+            per = mbs // n
+            for s in range(0, num, per):
+                yield list(range(s, min(s + per, num))), n
+        else:
+            for i in range(num):
+                for s in range(0, n, mbs):
+                    yield [i], min(mbs, n - s)
+
+    def _forward(self, ids, mask, pos, cache=None, **kw):
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                          **({self._cache_kw: cache} if cache is not None else {}), **kw)
+
+    def _generate_chunk(self, prompts, n: int, params: SamplingParams, gen: torch.Generator,
+                        stop: torch.Tensor) -> list[Completion]:
+        """``n`` completions per prompt (adjacent): one prefill per prompt, then 1-token decodes."""
+        steps = params.max_new_tokens
+        if steps <= 0:
+            return [Completion([], [], "length", self.weight_version) for _ in range(len(prompts) * n)]
+        ids, mask = _left_pad(prompts, self.pad_id, self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self._forward(ids, mask, pos, **self._keep_last)
+        cache = _repeat_cache(getattr(out, self._cache_kw), n)
+        logits = out.logits[:, -1].repeat_interleave(n, dim=0)
+        rows, width = ids.shape[0] * n, ids.shape[1]
+        # the mask only ever grows by ones, so preallocate it and hand the model a growing view
+        full_mask = mask.new_ones((rows, width + steps))
+        full_mask[:, :width] = mask.repeat_interleave(n, dim=0)
+        pos = pos[:, -1:].repeat_interleave(n, dim=0)
+        tokens = torch.empty((rows, steps), dtype=torch.long, device=self.device)
+        logps = torch.empty((rows, steps), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        for t in range(steps):
+            tok, lp = _sample(logits, params, gen)
+            tokens[:, t], logps[:, t] = tok, lp
+            lengths += ~done
+            done |= torch.isin(tok, stop)
+            if t + 1 == steps or bool(done.all()):
+                break
+            pos = pos + 1
+            out = self._forward(tok[:, None], full_mask[:, :width + t + 1], pos, cache)
+            logits = out.logits[:, -1]
+        return self._completions(tokens[:, :t + 1], logps[:, :t + 1], lengths, done)
+
+    def _completions(self, tokens, logps, lengths, done) -> list[Completion]:
+        tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
+        lengths, done = lengths.cpu().tolist(), done.cpu().tolist()
+        v = self.weight_version
+        return [Completion(tok[:k], lp[:k], "stop" if d else "length", v)
+                for tok, lp, k, d in zip(tokens, logps, lengths, done)]
+
+    # -- scoring ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def logprobs(self, prompts: Sequence[Sequence[int]],
+                 responses: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Log-prob (temperature 1) of each response token given its prompt, one forward per chunk."""
+        out: list[list[float]] = []
+        mbs = self.cfg.max_batch_size
+        for s in range(0, len(prompts), mbs):
+            out += self._score(prompts[s:s + mbs], responses[s:s + mbs])
+        return out
+
+    def _score(self, prompts, responses) -> list[list[float]]:
+        width = max(1, max(len(r) for r in responses))
+        seqs = [list(p) + list(r) + [self.pad_id] * (width - len(r)) for p, r in zip(prompts, responses)]
+        ids, mask = _left_pad(seqs, self.pad_id, self.device)
+        right = torch.tensor([width - len(r) for r in responses], device=self.device)
+        mask[torch.arange(mask.shape[1], device=self.device) >= mask.shape[1] - right[:, None]] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        start = ids.shape[1] - width
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                            use_cache=False).logits[:, start - 1:-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, start:, None]).squeeze(-1).cpu().tolist()
+        return [row[:len(r)] for row, r in zip(lp, responses)]
