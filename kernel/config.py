@@ -26,6 +26,7 @@ class WarmStartConfig(Strict):
     when eval accuracy has not improved by ``min_delta`` for ``patience`` evaluations."""
 
     max_steps: int = Field(2000, gt=0, description="upper bound on supervised steps")
+    min_steps: int = Field(0, ge=0, description="no early stop before this many steps")
     batch_size: int = Field(256, gt=0, description="demonstrations per step")
     eval_every: int = Field(50, gt=0, description="supervised steps between evaluations")
     patience: int = Field(4, gt=0, description="evaluations without improvement before stopping")

@@ -172,7 +172,7 @@ class Loop:
                 best, stale = m["eval_accuracy"], 0
             else:
                 stale += 1
-                if stale >= ws.patience:
+                if stale >= ws.patience and step >= ws.min_steps:
                     break
         log.close()
         weights = dict(self.p.trainer.named_weights())
