@@ -1,18 +1,17 @@
 #!/usr/bin/env python
 """One miles GRPO step (rollout + train + weight sync) against one TRL ``GRPOTrainer`` step.
 
-Identical work on both sides (CPU, fp32, 2 torch threads): the same Qwen2 config and initial
-weights, the arith env's char tokenizer and prompts ("07+45="), an exact-match reward, no KL term,
-one on-policy optimizer step per generation of prompts x samples completions (so no old/ref
-log-probs anywhere) and every group trained (miles filter_zero_variance=false).
-
-Shape B must generate exactly 32 tokens, so EOS may not end a completion on either side. TRL:
-``generation_kwargs={"min_new_tokens": 32}`` (HF masks EOS until 32 tokens exist). miles: the
-engine stops on ``params.stop_token_ids | {engine.eos_id}``, so the run's SamplingParams get
-``stop_token_ids=[]`` and the engine instance ``eos_id = None`` after build; the tokenizer is
-untouched (the engine's pad id is fixed at construction, the trainer pads with
-``tokenizer.pad_token_id``). EOS can still be sampled mid-response in miles, it just no longer
-stops it. The mean response lengths are printed so the equal work can be checked.
+Identical work (CPU, fp32, 2 torch threads): same Qwen2 config and initial weights, the arith env's
+char tokenizer and prompts ("07+45="), exact-match reward, no KL, one on-policy optimizer step per
+generation of prompts x samples completions (no old/ref log-probs), every group trained.
+Shape B generates exactly 32 tokens: TRL via ``generation_kwargs={"min_new_tokens": 32}`` (HF masks
+EOS); miles' engine stops on ``params.stop_token_ids | {engine.eos_id}``, so the SamplingParams get
+``stop_token_ids=[]`` and the engine instance ``eos_id = None`` after build. The tokenizer stays
+untouched (engine pad id fixed at construction; the trainer pads with ``tokenizer.pad_token_id``);
+EOS can still be sampled mid-response in miles, it just no longer stops it. Mean response lengths
+are printed so the equal work can be checked. The sides alternate step by step (a miles step runs
+from TRL's on_step_end, outside TRL's clock) so load changes hit both alike, and the CPU share of
+other processes is printed: 2-thread OpenMP ops stall badly when another process shares the cores.
 
 Usage: python benchmarks/grpo_step_vs_trl.py [--quick] [--shapes A,B]
 """
@@ -63,31 +62,24 @@ def build_miles(shape: dict, out_dir: str):
     return loop
 
 
-def run_miles(loop, warmup: int, steps: int) -> list[dict]:
-    out = []
-    for step in range(1, warmup + steps + 1):
-        m = loop.rl_step(step)
-        known = m["rollout_seconds"] + m["train_seconds"] + m["weight_sync_seconds"]
-        out.append({"generation": m["rollout_seconds"], "logprobs": 0.0, "train": m["train_seconds"],
-                    "sync": m["weight_sync_seconds"], "other": m["step_seconds"] - known,
-                    "step": m["step_seconds"], "length": m["response_length_mean"],
-                    "reward": m["reward_mean"]})
-    return out[warmup:]
+def miles_step(loop, step: int) -> dict:
+    m = loop.rl_step(step)
+    known = m["rollout_seconds"] + m["train_seconds"] + m["weight_sync_seconds"]
+    return {"generation": m["rollout_seconds"], "logprobs": 0.0, "train": m["train_seconds"],
+            "sync": m["weight_sync_seconds"], "other": m["step_seconds"] - known,
+            "step": m["step_seconds"], "length": m["response_length_mean"], "reward": m["reward_mean"]}
 
 
 def timed_trainer(GRPOTrainer, TrainerCallback):
     """A GRPOTrainer subclass that clocks its phases, and the callback that closes each step."""
     import torch
 
-    class TimedGRPOTrainer(GRPOTrainer):
-        clock: dict = {}
-
+    class TimedGRPOTrainer(GRPOTrainer):  # self.clock is reset by StepClock.on_step_begin
         def _clocked(self, key, fn, *a, **kw):
             t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.clock[key] = self.clock.get(key, 0.0) + time.perf_counter() - t0
+            out = fn(*a, **kw)
+            self.clock[key] = self.clock.get(key, 0.0) + time.perf_counter() - t0
+            return out
 
         def _generate_single_turn(self, *a, **kw):  # prompt padding + model.generate
             return self._clocked("generation", super()._generate_single_turn, *a, **kw)
@@ -103,8 +95,9 @@ def timed_trainer(GRPOTrainer, TrainerCallback):
             return out
 
     class StepClock(TrainerCallback):
-        def __init__(self):
-            self.trainer, self.steps, self.lengths, self.rewards = None, [], [], []
+        def __init__(self, after_step):
+            self.trainer, self.after_step = None, after_step
+            self.steps, self.lengths, self.rewards = [], [], []
 
         def on_step_begin(self, args, state, control, **kw):
             self.trainer.clock = {}
@@ -120,11 +113,14 @@ def timed_trainer(GRPOTrainer, TrainerCallback):
             row.update(sync=0.0, other=total - sum(row.values()), step=total,
                        length=self.lengths[-1], reward=self.rewards[-1])
             self.steps.append(row)
+            self.after_step()  # the interleaved miles step, after TRL's step was clocked
 
     return TimedGRPOTrainer, StepClock
 
 
-def run_trl(loop, init_state: dict, shape: dict, warmup: int, steps: int, out_dir: str) -> list[dict]:
+def run_both(loop, init_state: dict, shape: dict, out_dir: str) -> tuple[list[dict], list[dict]]:
+    """TRL's training loop with one miles step run after each TRL step, so that both sides see
+    the same machine load; returns the (miles, TRL) rows after the warm-up steps."""
     import warnings
 
     import torch
@@ -139,7 +135,8 @@ def run_trl(loop, init_state: dict, shape: dict, warmup: int, steps: int, out_di
     model.load_state_dict(init_state)  # ... and the same initial weights
     data = Dataset.from_list([{"prompt": t.prompt, "label": t.label} for t in loop.train_tasks])
     Trainer, StepClock = timed_trainer(GRPOTrainer, transformers.TrainerCallback)
-    clock = StepClock()
+    miles: list[dict] = []
+    clock = StepClock(lambda: miles.append(miles_step(loop, len(miles) + 1)))
 
     def exact_match(prompts, completions, completion_ids, label, **_):
         rewards = [1.0 if c.strip() == want else 0.0 for c, want in zip(completions, label)]
@@ -155,8 +152,8 @@ def run_trl(loop, init_state: dict, shape: dict, warmup: int, steps: int, out_di
         gradient_accumulation_steps=1, max_completion_length=n, beta=0.0, temperature=1.0,
         epsilon=algo.clip_low, epsilon_high=algo.clip_high_value,
         learning_rate=loop.cfg.settings("trainer").lr, lr_scheduler_type="constant", max_grad_norm=1.0,
-        max_steps=warmup + steps, logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, dataloader_pin_memory=False, seed=loop.cfg.run.seed,
+        max_steps=shape["warmup"] + shape["steps"], logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, seed=loop.cfg.run.seed,
         generation_kwargs={"min_new_tokens": n} if shape["no_eos"] else None)
     trainer = Trainer(model=model, reward_funcs=exact_match, args=args, train_dataset=data,
                       processing_class=tok, callbacks=[clock])
@@ -164,54 +161,58 @@ def run_trl(loop, init_state: dict, shape: dict, warmup: int, steps: int, out_di
     clock.trainer = trainer
     torch.set_num_threads(THREADS)  # in case accelerate changed it
     trainer.train()
-    return clock.steps[warmup:]
+    return miles[shape["warmup"]:], clock.steps[shape["warmup"]:]
 
 
-def others_busy(seconds: float = 1.0) -> float:
-    """Share of all CPUs busy with other processes while this one sleeps (Linux /proc/stat)."""
-    def sample():  # (idle + iowait, total) jiffies
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return v[3] + v[4], sum(v)
+def cpu_times() -> tuple[float, float, float] | None:
+    """(busy, total) CPU seconds of the whole machine (/proc/stat) and this process's CPU time."""
     if not os.path.exists("/proc/stat"):
+        return None
+    with open("/proc/stat") as f:
+        v = [int(x) / os.sysconf("SC_CLK_TCK") for x in f.readline().split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v), time.process_time()
+
+
+def others_share(t0) -> float:
+    """Share of all CPUs that other processes used since ``t0 = cpu_times()``."""
+    t1 = cpu_times()
+    if not (t0 and t1):
         return 0.0
-    (i0, t0), _, (i1, t1) = sample(), time.sleep(seconds), sample()
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
-
-
-def median(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
+    busy, total, own = (y - x for x, y in zip(t0, t1))
+    return max(0.0, busy - own) / max(total, 1e-9)
 
 
 LEGEND = """\
-  miles: generation = rollout_seconds (prompt encode, engine.generate, decode, reward);
-    backward+optimizer = train_seconds (advantages, padding, forward, backward, clip, AdamW);
-    sync = weight_sync_seconds; no log-probs are computed (kl_coef=0, one mini-batch).
-  TRL: generation = _generate_single_turn (prompt padding, model.generate); log-probs = no-grad
-    _get_per_token_logps_and_entropies (none: beta=0, steps_per_generation=num_iterations=1);
-    backward+optimizer = end of _prepare_inputs .. on_optimizer_step (loss forward incl. entropy,
-    backward, clip, fused AdamW); one model, so no sync.
-  other = step - the rest (TRL: tokenize, decode, reward, advantages; logging is not counted)."""
+  miles: generation = rollout_seconds (prompt encode, engine.generate, decode, reward); backward+
+    optimizer = train_seconds (advantages, padding, fwd, bwd, clip, AdamW); sync = weight_sync_seconds.
+  TRL: generation = _generate_single_turn (padding, model.generate); log-probs = no-grad
+    _get_per_token_logps_and_entropies; backward+optimizer = end of _prepare_inputs .. on_optimizer_step
+    (loss fwd incl. entropy, bwd, clip, fused AdamW); other: tokenize, decode, reward, advantages.
+  No side computes old/ref log-probs here (no KL, one optimizer step per generation)."""
 
 
-def report(name: str, shape: dict, model, miles: list[dict], trl: list[dict]) -> float:
+def report(name: str, shape: dict, model, miles: list[dict], trl: list[dict], others: float) -> float:
     c, params = model.config, sum(p.numel() for p in model.parameters())
     print(f"\nShape {name} ({shape['label']}): Qwen2 hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
           f"{c.num_attention_heads} heads/{c.num_key_value_heads} KV, FFN {c.intermediate_size}, "
           f"vocab {c.vocab_size}, {params / 1e6:.2f}M params; {shape['prompts']} prompts x "
           f"{shape['samples']} samples x {shape['new_tokens']} new tokens; median of {len(miles)} steps "
           f"after {shape['warmup']} warm-up (each row its own median)")
+    med = {k: [statistics.median(r[k] for r in rows) for rows in (miles, trl)] for k in miles[0]}
     print(f"  {'':<22}{'miles':>10}{'TRL':>10}")
     for label, key in (("generation", "generation"), ("log-probs (old/ref)", "logprobs"),
                        ("backward+optimizer", "train"), ("weight sync", "sync"), ("other", "other"),
                        ("step", "step")):
-        print(f"  {label:<22}{median(miles, key):>9.3f}s{median(trl, key):>9.3f}s")
+        print(f"  {label:<22}{med[key][0]:>9.3f}s{med[key][1]:>9.3f}s")
     for label, key in (("mean response length", "length"), ("mean reward", "reward")):
         print(f"  {label:<22}{statistics.mean(r[key] for r in miles):>10.2f}"
               f"{statistics.mean(r[key] for r in trl):>10.2f}")
-    ratio = median(trl, "step") / median(miles, "step")
+    ratio = med["step"][1] / med["step"][0]
     verdict = "PASS" if ratio >= shape["target"] else "FAIL"
     print(f"  TRL step / miles step = {ratio:.2f}x (target {shape['target']:g}x): {verdict}")
+    if others > 0.05:
+        print(f"  WARNING: other processes used {others:.0%} of the CPUs during this shape; 2-thread "
+              f"OpenMP ops stall when cores are shared, so these timings are inflated and noisy")
     return ratio
 
 
@@ -221,12 +222,11 @@ def bench_shape(name: str, shape: dict) -> float:
         loop = build_miles(shape, os.path.join(tmp, "miles"))
         model = loop.p.trainer.model
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        plan = f"{shape['warmup']} warm-up + {shape['steps']} measured steps"
-        print(f"[{name}] miles: {plan} ...", flush=True)
-        miles = run_miles(loop, shape["warmup"], shape["steps"])
-        print(f"[{name}] TRL:   {plan} ...", flush=True)
-        trl = run_trl(loop, init, shape, shape["warmup"], shape["steps"], os.path.join(tmp, "trl"))
-        return report(name, shape, model, miles, trl)
+        print(f"[{name}] {shape['warmup']} warm-up + {shape['steps']} measured steps, TRL and miles "
+              f"alternating ...", flush=True)
+        t0 = cpu_times()
+        miles, trl = run_both(loop, init, shape, os.path.join(tmp, "trl"))
+        return report(name, shape, model, miles, trl, others_share(t0))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -248,12 +248,10 @@ def main() -> int:
     bad = [s for s in names if s not in SHAPES]
     if bad or not names:
         ap.error(f"--shapes: unknown {bad or 'empty'}; choose from {','.join(SHAPES)}")
-    busy = others_busy()
+    t0 = cpu_times()
+    time.sleep(1.0)
     print(f"torch {torch.__version__}, trl {trl.__version__}, {THREADS} threads, fp32, CPU; "
-          f"{os.cpu_count()} CPUs, {busy:.0%} busy with other processes before start")
-    if busy > 0.2:
-        print("WARNING: other processes are using the CPUs; with 2 OpenMP threads competing for "
-              "cores, every op can stall and the timings below are slow and noisy")
+          f"{os.cpu_count()} CPUs, {others_share(t0):.0%} used by other processes before start")
     shapes = [{**SHAPES[n], **(dict(warmup=1, steps=2) if args.quick else {})} for n in names]
     ratios = [bench_shape(n, s) for n, s in zip(names, shapes)]
     print(f"\n{LEGEND}")

@@ -57,6 +57,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Newest checkpoint of a run -> a Hugging Face model folder (config, safetensors, tokenizer)."""
+    from pathlib import Path
+
+    from . import checkpoint
+    from .loop import Loop
+
+    cfg_file = Path(args.run_dir) / "config.yaml"
+    if not cfg_file.is_file():
+        raise MilesError(f"{args.run_dir} is not a run folder (no config.yaml); pass the run.out_dir of a run")
+    found = checkpoint.latest(args.run_dir)
+    if not found:
+        raise MilesError(f"{args.run_dir} has no checkpoint yet; train first")
+    args.config, args.overrides = str(cfg_file), [f"run.out_dir={args.run_dir}"]
+    pm, cfg = _load(args)
+    loop = Loop(pm, cfg)
+    loop.build(with_engine=False)
+    trainer = loop.make_trainer(cfg.settings("trainer"), loop.p.algorithm)
+    trainer.load(str(found[0] / "trainer"))
+    if not hasattr(loop.p.spec, "save_pretrained"):
+        raise MilesError(f"model spec {cfg.name('model')!r} cannot export Hugging Face folders")
+    loop.p.spec.save_pretrained(trainer.named_weights(), loop.p.tokenizer, args.to)
+    print(f"exported step {found[1]['step']} of {args.run_dir} to {args.to}")
+    return 0
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from .plugins import KINDS, make_plugin_manager, plugin_table
 
@@ -93,6 +119,11 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("overrides", nargs="*", help="key.sub=value overrides")
         sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
         sp.set_defaults(fn=fn)
+    sp = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face folder")
+    sp.add_argument("run_dir", help="the run's out_dir")
+    sp.add_argument("--to", required=True, help="destination folder")
+    sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
+    sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("plugins", help="list discovered plugins and components")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")

@@ -37,7 +37,7 @@ class Loop:
         self.loggers: list[Any] = []
 
     # -- construction ------------------------------------------------------------------------------
-    def build(self) -> Parts:
+    def build(self, with_engine: bool = True) -> Parts:
         import torch
 
         cfg, pm = self.cfg, self.pm
@@ -48,9 +48,11 @@ class Loop:
         spec = pm.create("model_specs", cfg.name("model"), cfg.settings("model"))
         tokenizer = spec.build_tokenizer(env.tokenizer() if hasattr(env, "tokenizer") else None)
         algorithm = pm.create("algorithms", cfg.name("algorithm"), cfg.settings("algorithm"))
-        engine = pm.create("engines", cfg.name("engine"), cfg.settings("engine"), spec=spec,
-                           tokenizer=tokenizer, seed=self.seed)
-        engine.tokenizer = tokenizer
+        engine = None
+        if with_engine:
+            engine = pm.create("engines", cfg.name("engine"), cfg.settings("engine"), spec=spec,
+                               tokenizer=tokenizer, seed=self.seed)
+            engine.tokenizer = tokenizer
         transport = pm.create("transports", cfg.name("sync"), cfg.settings("sync"))
         self.p = Parts(env, spec, tokenizer, algorithm, engine, transport)
         r = cfg.rollout

@@ -143,3 +143,22 @@ def test_installed_plugin_hooks_and_launch_time_loss_take_effect(cli, tmp_path):
             assert got[s]["custom_loss_marker"] == 42.0
     # the plugin's reward replaced the env's: eval accuracy counts responses starting with "1"
     assert all(e["reward_mean"] == got[e["step"]].get("reward_mean") for e in events if e["kind"] == "step")
+
+
+def test_export_gives_a_folder_transformers_loads_with_the_same_logits(cli, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, dest = tmp_path / "run", tmp_path / "hf"
+    assert cli("train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start=null").returncode == 0
+    r = cli("export", str(out), "--to", str(dest))
+    assert r.returncode == 0, r.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(dest).eval()
+    tok = AutoTokenizer.from_pretrained(dest)
+    state = torch.load(out / "checkpoints" / "step_000002" / "trainer" / "trainer.pt", weights_only=False)["model"]
+    ids = torch.tensor([tok.encode("3+4=", add_special_tokens=False)])
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    ref = AutoModelForCausalLM.from_config(model.config)
+    ref.load_state_dict(state)
+    torch.testing.assert_close(model(ids).logits, ref.eval()(ids).logits, rtol=0, atol=0)
+    assert cli("export", str(tmp_path / "nope"), "--to", str(dest)).returncode == 2

@@ -10,5 +10,8 @@ class ArithConfig(BaseModel):
         0.3, ge=0, le=1, description="how often the demonstrating teacher gets a problem with a units "
         "carry right; otherwise it forgets the carry (answers a+b-10). Problems without a units carry "
         "are always right.")
+    demos_per_task: int = Field(4, gt=0, description="teacher answers per training problem, each drawn "
+                                "independently (so the teacher's carry mistakes are noise to imitate, "
+                                "not labels to memorise)")
     data_seed: int = Field(1234, description="seed of the train/eval split and of the teacher's "
                                              "mistakes (fixed across run seeds)")

@@ -44,7 +44,8 @@ class ArithEnv:
         self.splits = {"eval": [self._task(a, b) for a, b in pairs[:cfg.eval_size]],
                        "train": [self._task(a, b) for a, b in pairs[cfg.eval_size:]]}
         teacher = random.Random(cfg.data_seed + 1)
-        self.demos = [(t, self._teacher(t, teacher)) for t in self.splits["train"]]
+        self.demos = [(t, self._teacher(t, teacher)) for t in self.splits["train"]
+                      for _ in range(cfg.demos_per_task)]
         self._tok = None
 
     def _task(self, a: int, b: int) -> Task:

@@ -44,3 +44,18 @@ class HFModelSpec:
         except (ValueError, TypeError) as e:
             raise MilesError(f"model.config: {e}") from None
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    def save_pretrained(self, named_weights, tokenizer: Any, path: str) -> None:
+        """Write a Hugging Face folder (config, safetensors, tokenizer), atomically."""
+        import os
+        import shutil
+
+        model = self.build_model(tokenizer)
+        model.load_state_dict(dict(named_weights), strict=True)
+        tmp = f"{path.rstrip('/')}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
