@@ -190,10 +190,14 @@ class Loop:
         cfg, algo = self.cfg, self.p.algorithm
         t0 = time.perf_counter()
         rng = random.Random(self.seed * 1_000_003 + step)
-        if not algo.uses_rollout:
+        if not algo.uses_rollout:  # supervised: demonstrations instead of rollouts
             n = cfg.rollout.batch_size * cfg.rollout.n
-            m = self.update(self.demo_samples(list(self.p.env.demonstrations()), n, rng), [0.0] * n, algo)
-            return {**m, **self._after_update(t0), "reward_mean": float("nan")}
+            samples = self.demo_samples(list(self.p.env.demonstrations()), n, rng)
+            for s in samples:
+                self.score(s)
+            m = self.update(samples, [0.0] * n, algo)
+            m.update(self._after_update(t0), reward_mean=sum(s.reward for s in samples) / n)
+            return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
         params = replace(self.params, seed=rng.randrange(2**31))
         kept, sampled, dropped = [], [], 0
         for _ in range(cfg.rollout.oversample_rounds + 1):

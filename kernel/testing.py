@@ -4,6 +4,10 @@ Use in a ``conftest.py``: ``from miles.testing import *  # noqa`` or import the 
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,3 +66,27 @@ class TinySpec:
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                           **self.kw)
         return Qwen2ForCausalLM(cfg).eval()
+
+
+def install_plugin_dist(tmp_path: Path, name: str, version: str, module_code: str) -> Path:
+    """Build and pip-install a real third-party ``miles-plugin-<name>`` distribution into its own
+    folder (put it on PYTHONPATH to use it); its module body is ``module_code``."""
+    src, site = tmp_path / f"src-{name}", tmp_path / f"site-{name}"
+    pkg = src / f"miles_plugin_{name}"
+    pkg.mkdir(parents=True)
+    (src / "pyproject.toml").write_text(textwrap.dedent(f"""
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "miles-plugin-{name}"
+        version = "{version}"
+        [project.entry-points."miles.plugins"]
+        {name} = "miles_plugin_{name}"
+        [tool.setuptools]
+        packages = ["miles_plugin_{name}"]
+    """))
+    (pkg / "__init__.py").write_text(textwrap.dedent(module_code))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(src)], check=True)
+    return site

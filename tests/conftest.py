@@ -18,3 +18,4 @@ def run_cli(*args, cwd=None, timeout=600, env=None):
 @pytest.fixture
 def cli():
     return run_cli
+

@@ -1,50 +1,26 @@
 """Plugin discovery, dispatch semantics and plugin errors."""
 import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
+from miles.testing import install_plugin_dist
 
 from miles import Group, Sample, Task, hookimpl
 from miles.errors import PluginError
 from miles.plugins import call_all, call_first, make_plugin_manager
 
-THIRD_PARTY = {
-    "pyproject.toml": """
-        [build-system]
-        requires = ["setuptools>=68"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "miles-plugin-shout"
-        version = "3.1.4"
-        [project.entry-points."miles.plugins"]
-        shout = "miles_plugin_shout"
-        [tool.setuptools]
-        packages = ["miles_plugin_shout"]
-    """,
-    "miles_plugin_shout/__init__.py": """
-        from miles import hookimpl
+SHOUT = """
+    from miles import hookimpl
 
-        @hookimpl
-        def miles_reward(sample):
-            return 7.0 if sample.response == "shout" else None
-    """,
-}
+    @hookimpl
+    def miles_reward(sample):
+        return 7.0 if sample.response == "shout" else None
+"""
 
 
 @pytest.fixture(scope="module")
 def installed_plugin(tmp_path_factory):
     """A real third-party distribution, built and installed with pip into its own folder."""
-    src = tmp_path_factory.mktemp("src")
-    for rel, text in THIRD_PARTY.items():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        (src / rel).write_text(textwrap.dedent(text))
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(src)], check=True)
-    return target
+    return install_plugin_dist(tmp_path_factory.mktemp("dist"), "shout", "3.1.4", SHOUT)
 
 
 def test_entry_point_of_installed_distribution_is_discovered(installed_plugin, cli):

@@ -4,11 +4,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from miles.testing import install_plugin_dist
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,20 +66,7 @@ def test_kill_9_mid_run_then_rerun_logs_each_step_once(tmp_path):
     assert [g["step"] for g in rows(out)] == list(range(0, 15))
 
 
-PLUGIN_DIST = {
-    "pyproject.toml": """
-        [build-system]
-        requires = ["setuptools>=68"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "miles-plugin-judge"
-        version = "0.2.0"
-        [project.entry-points."miles.plugins"]
-        judge = "miles_plugin_judge"
-        [tool.setuptools]
-        packages = ["miles_plugin_judge"]
-    """,
-    "miles_plugin_judge/__init__.py": """
+JUDGE = """
         import json, os
         from miles import hookimpl
         LOG = os.environ["JUDGE_LOG"]
@@ -102,8 +89,7 @@ PLUGIN_DIST = {
         @hookimpl
         def miles_on_step_end(step, metrics):
             _write("step", step=step, reward_mean=metrics.get("reward_mean"))
-    """,
-}
+"""
 
 LOSS_PLUGIN = """
 from miles import hookimpl
@@ -117,13 +103,7 @@ def miles_loss(batch, logprobs):
 
 
 def test_installed_plugin_hooks_and_launch_time_loss_take_effect(cli, tmp_path):
-    src = tmp_path / "src"
-    for rel, text in PLUGIN_DIST.items():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        (src / rel).write_text(textwrap.dedent(text))
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(src)], check=True)
+    site = install_plugin_dist(tmp_path, "judge", "0.2.0", JUDGE)
     loss_file = tmp_path / "my_loss.py"
     loss_file.write_text(LOSS_PLUGIN)
     log = tmp_path / "judge.jsonl"
