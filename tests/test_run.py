@@ -125,12 +125,15 @@ def test_installed_plugin_hooks_and_launch_time_loss_take_effect(cli, tmp_path):
     assert all(e["reward_mean"] == got[e["step"]].get("reward_mean") for e in events if e["kind"] == "step")
 
 
-def test_export_gives_a_folder_transformers_loads_with_the_same_logits(cli, tmp_path):
+def test_eval_and_export_give_a_folder_transformers_loads_with_the_same_logits(cli, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out, dest = tmp_path / "run", tmp_path / "hf"
     assert cli("train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start=null").returncode == 0
+    r = cli("eval", TINY, f"run.out_dir={out}")
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["step"] == 2
+    assert 0.0 <= json.loads(r.stdout.splitlines()[-1])["eval_accuracy"] <= 1.0
     r = cli("export", str(out), "--to", str(dest))
     assert r.returncode == 0, r.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(dest).eval()
