@@ -5,7 +5,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -53,7 +53,7 @@ class Loop:
             engine = pm.create("engines", cfg.name("engine"), cfg.settings("engine"), spec=spec,
                                tokenizer=tokenizer, seed=self.seed)
             engine.tokenizer = tokenizer
-        transport = pm.create("transports", cfg.name("sync"), cfg.settings("sync"))
+        transport = pm.create("transports", cfg.name("sync"), cfg.settings("sync"), out_dir=cfg.run.out_dir)
         self.p = Parts(env, spec, tokenizer, algorithm, engine, transport)
         r = cfg.rollout
         stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -105,7 +105,7 @@ class Loop:
         return self.p.transport.sync(self.p.trainer, [self.p.engine], self.version)
 
     # -- batches -----------------------------------------------------------------------------------
-    def demo_samples(self, demos: list, count: int, rng: random.Random) -> list[Sample]:
+    def demo_samples(self, demos: Sequence, count: int, rng: random.Random) -> list[Sample]:
         tok, eos = self.p.tokenizer, self.p.tokenizer.eos_token_id
         out = []
         for task, text in (rng.choice(demos) for _ in range(count)):
@@ -127,11 +127,13 @@ class Loop:
             return loss, metrics
         return fn
 
-    def update(self, samples: list[Sample], advantages: list, algorithm: Any) -> dict[str, float]:
-        """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch."""
+    def update(self, samples: list[Sample], advantages: list, algorithm: Any,
+               temperature: float = 1.0) -> dict[str, float]:
+        """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch.
+        ``temperature``: the one the samples were generated at (log-probs are scored at it)."""
         trainer = self.p.trainer
         batch = Batch.from_samples(samples, self.p.tokenizer.pad_token_id, advantages)
-        batch.temperature = self.params.temperature or 1.0
+        batch.temperature = temperature or 1.0
         if getattr(algorithm, "needs_reference", False):
             batch.ref_logprobs = trainer.logprobs(batch, "ref")
         k = max(1, min(self.cfg.rollout.minibatches, len(batch)))
@@ -192,7 +194,7 @@ class Loop:
         rng = random.Random(self.seed * 1_000_003 + step)
         if not algo.uses_rollout:  # supervised: demonstrations instead of rollouts
             n = cfg.rollout.batch_size * cfg.rollout.n
-            samples = self.demo_samples(list(self.p.env.demonstrations()), n, rng)
+            samples = self.demo_samples(self.p.env.demonstrations(), n, rng)
             for s in samples:
                 self.score(s)
             m = self.update(samples, [0.0] * n, algo)
@@ -223,7 +225,7 @@ class Loop:
             "rollout_seconds": t_roll - t0}
         if kept:  # a step whose groups were all dropped is logged without an update
             advs = [a for per_group in algo.advantages(kept) for a in per_group]
-            m.update(self.update([s for g in kept for s in g.samples], advs, algo))
+            m.update(self.update([s for g in kept for s in g.samples], advs, algo, params.temperature))
             m.update(self._after_update(t_roll))
         m.update(weight_version=self.version, step_seconds=time.perf_counter() - t0)
         return m

@@ -96,7 +96,7 @@ class Trainer(Protocol):
 
 @runtime_checkable
 class Transport(Protocol):
-    """Moves weights from the trainer to engines. Factory context: none.
+    """Moves weights from the trainer to engines. Factory context: ``out_dir``.
 
     ``sync(trainer, engines, version)`` pushes ``trainer.named_weights()`` and returns metrics
     (at least ``weight_sync_seconds`` and ``weight_sync_bytes``).

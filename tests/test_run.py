@@ -145,3 +145,13 @@ def test_eval_and_export_give_a_folder_transformers_loads_with_the_same_logits(c
     ref.load_state_dict(state)
     torch.testing.assert_close(model(ids).logits, ref.eval()(ids).logits, rtol=0, atol=0)
     assert cli("export", str(tmp_path / "nope"), "--to", str(dest)).returncode == 2
+
+
+def test_disk_transport_end_to_end_with_verification(cli, tmp_path):
+    out = tmp_path / "run"
+    r = cli("train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start=null",
+            "sync.name=disk", "sync.verify=true", "algorithm.filter_zero_variance=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = rows(out)
+    assert all(g["weight_sync_bytes"] > 0 for g in got[1:])
+    assert (out / "weights" / "LATEST").read_text().strip().endswith("2")

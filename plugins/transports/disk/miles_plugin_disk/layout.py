@@ -1,0 +1,98 @@
+"""On-disk layout of a weights folder (no torch here).
+
+    <root>/LATEST                      name of the newest committed version folder
+    <root>/v00000007/manifest.json     version, and per tensor: shard file, key, dtype, shape, checksum
+    <root>/v00000007/model-00000.safetensors
+
+A version is written to ``<folder>.tmp`` and renamed into place, so a folder without ``.tmp`` is
+always complete. Re-writing a version that is already on disk (a run resumed from a checkpoint
+syncs its version again) goes to ``v00000007.r1``, so the committed folder, which LATEST or a
+delta manifest may still reference, is never modified.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any, Iterable
+
+LATEST = "LATEST"
+MANIFEST = "manifest.json"
+_FOLDER = re.compile(r"^v(\d{8})(?:\.r(\d+))?$")
+
+
+def folder_name(version: int, rev: int = 0) -> str:
+    return f"v{version:08d}" + (f".r{rev}" if rev else "")
+
+
+def parse(name: str) -> tuple[int, int] | None:
+    """(version, rev) of a committed folder name, else None."""
+    m = _FOLDER.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def committed(root: str) -> list[tuple[int, int, str]]:
+    """Committed version folders as (version, rev, name), oldest first."""
+    found = [(*p, n) for n in os.listdir(root) if (p := parse(n)) and os.path.isdir(os.path.join(root, n))]
+    return sorted(found)
+
+
+def new_folder(root: str, version: int) -> str:
+    revs = [r for v, r, _ in committed(root) if v == version]
+    return folder_name(version, max(revs) + 1 if revs else 0)
+
+
+def latest(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old file or the whole new one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(path) or ".")  # makes the rename itself survive a power loss
+
+
+def write_manifest(folder_path: str, manifest: dict[str, Any]) -> None:
+    write_durably(os.path.join(folder_path, MANIFEST), json.dumps(manifest, indent=1))
+
+
+def referenced(manifest: dict[str, Any]) -> set[str]:
+    """Version folders holding the current bytes of some tensor of ``manifest``."""
+    return {e["file"].split("/", 1)[0] for e in manifest["tensors"].values()}
+
+
+def prune(root: str, newest: str, keep: int, refs: Iterable[str]) -> None:
+    """Delete version folders beyond the ``keep`` newest, sparing those ``refs`` names.
+
+    Versions above ``newest`` belong to a timeline abandoned by a resume and go too; so do
+    superseded revisions of a version and ``.tmp`` leftovers of crashed writes.
+    """
+    top = parse(newest)[0]
+    older: dict[int, str] = {}
+    for v, _, name in committed(root):
+        if v < top:
+            older[v] = name  # ascending order, so the newest revision of each version wins
+    recent = sorted(older)[-(keep - 1):] if keep > 1 else []
+    kept = {newest, *refs, *(older[v] for v in recent)}
+    for name in os.listdir(root):
+        stale_tmp = name.endswith(".tmp") and parse(name[:-4]) is not None
+        if stale_tmp or (parse(name) is not None and name not in kept):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
