@@ -25,14 +25,12 @@ def single_turn(tasks: list[Task], n: int, engine: Any, tokenizer: Any, params: 
     """Generate ``n`` samples for each task in one batched engine call."""
     prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
     outs = engine.generate(prompts, params, n=n)
-    groups = []
-    for task, prompt_ids, completions in zip(tasks, prompts, outs):
-        groups.append([Sample(task=task, prompt_ids=prompt_ids, response_ids=c.token_ids,
-                              response=tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                              logprobs=c.logprobs, weight_version=c.weight_version,
-                              status=Status.COMPLETED if c.finish_reason == "stop" else Status.TRUNCATED)
-                       for c in completions])
-    return groups
+    texts = iter(tokenizer.batch_decode([c.token_ids for cs in outs for c in cs], skip_special_tokens=True))
+    return [[Sample(task=task, prompt_ids=prompt_ids, response_ids=c.token_ids, response=next(texts),
+                    logprobs=c.logprobs, weight_version=c.weight_version,
+                    status=Status.COMPLETED if c.finish_reason == "stop" else Status.TRUNCATED)
+             for c in completions]
+            for task, prompt_ids, completions in zip(tasks, prompts, outs)]
 
 
 @hookimpl(trylast=True)

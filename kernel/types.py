@@ -147,24 +147,19 @@ class Batch:
 
         P = max(len(s.prompt_ids) for s in samples)
         R = max(1, max(len(s.response_ids) for s in samples))
-        B = len(samples)
-        ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-        attn = torch.zeros((B, P + R), dtype=torch.long)
-        lmask = torch.zeros((B, R))
-        adv = torch.zeros((B, R))
-        rlp = torch.zeros((B, R))
-        for i, s in enumerate(samples):
+        ids, attn, lmask, adv, rlp = [], [], [], [], []
+        for i, s in enumerate(samples):  # plain lists, then one tensor each: much faster than per row
             p, r = len(s.prompt_ids), len(s.response_ids)
-            ids[i, P - p:P] = torch.tensor(s.prompt_ids, dtype=torch.long)
-            attn[i, P - p:P + r] = 1
-            if r:
-                ids[i, P:P + r] = torch.tensor(s.response_ids, dtype=torch.long)
-                lmask[i, :r] = torch.tensor(s.loss_mask[:r], dtype=torch.float)
-                if s.logprobs:
-                    rlp[i, :r] = torch.tensor(s.logprobs[:r], dtype=torch.float)
-            if advantages is not None:
-                a = advantages[i]
-                adv[i, :r] = torch.tensor(a[:r]) if isinstance(a, (list, tuple)) else float(a)
+            tail = [0] * (R - r)
+            ids.append([pad_id] * (P - p) + list(s.prompt_ids) + list(s.response_ids) + [pad_id] * (R - r))
+            attn.append([0] * (P - p) + [1] * (p + r) + tail)
+            lmask.append(list(s.loss_mask[:r]) + tail)
+            rlp.append((list(s.logprobs[:r]) if s.logprobs else [0.0] * r) + tail)
+            a = 0.0 if advantages is None else advantages[i]
+            adv.append((list(a[:r]) if isinstance(a, (list, tuple)) else [float(a)] * r) + tail)
+        ids, attn = torch.tensor(ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long)
+        lmask, adv, rlp = (torch.tensor(x, dtype=torch.float) for x in (lmask, adv, rlp))
+        B = len(samples)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
         return cls(ids, attn, pos, P, lmask, adv, rlp, rewards, list(samples),

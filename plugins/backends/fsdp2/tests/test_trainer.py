@@ -76,3 +76,29 @@ def test_reference_is_frozen_and_separate():
     t.train_step(b, _loss)
     assert torch.equal(t.logprobs(b, "ref"), before)
     assert not torch.equal(t.logprobs(b), before)
+
+
+def _grouped_batch(n=4, groups=3):
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for k in range(groups):
+        p = torch.randint(3, 20, (2 + k,), generator=g).tolist()
+        for i in range(n):
+            r = torch.randint(3, 20, (1 + (i + k) % 4,), generator=g).tolist()
+            samples.append(Sample(Task("x"), prompt_ids=p, response_ids=r, logprobs=[-1.0] * len(r)))
+    return Batch.from_samples(samples, pad_id=0, advantages=[float(i % 3) - 1 for i in range(n * groups)])
+
+
+def test_shared_prompt_forward_equals_full_forward_with_gradients():
+    from miles_plugin_fsdp2.trainer import _full_logits, _group_size, response_logprobs
+
+    t, b = _trainer(), _grouped_batch()
+    assert _group_size(b) == 4 and _group_size(_batch()) == 1
+    lp = response_logprobs(t.model, b)
+    full = torch.log_softmax(_full_logits(t.model, b), -1).gather(-1, b.input_ids[:, b.prompt_len:, None])[..., 0]
+    torch.testing.assert_close(lp * b.loss_mask, full * b.loss_mask, rtol=0, atol=2e-5)
+    g1 = torch.autograd.grad(b.token_mean(lp), list(t.model.parameters()), allow_unused=True)
+    g2 = torch.autograd.grad(b.token_mean(full), list(t.model.parameters()), allow_unused=True)
+    for a, c in zip(g1, g2):
+        if a is not None:
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6)
