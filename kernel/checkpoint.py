@@ -44,7 +44,7 @@ def save(out_dir: str, step: int, state: dict[str, Any], write: Callable[[str], 
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_path(str(root))
     for old in sorted(root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step_*"):
@@ -52,12 +52,24 @@ def save(out_dir: str, step: int, state: dict[str, Any], write: Callable[[str], 
     return final
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or folder (a folder's fsync makes a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old file or the whole new one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def truncate_metrics(path: str, last_step: int | None) -> None:
@@ -73,9 +85,4 @@ def truncate_metrics(path: str, last_step: int | None) -> None:
                 continue  # a line cut by a kill mid-write
             if last_step is not None and row.get("step", -1) <= last_step:
                 keep.append(json.dumps(row) + "\n")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(keep))

@@ -17,6 +17,8 @@ import re
 import shutil
 from typing import Any, Iterable
 
+from miles.checkpoint import fsync_path, write_atomic  # noqa: F401 (used by writer)
+
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 _FOLDER = re.compile(r"^v(\d{8})(?:\.r(\d+))?$")
@@ -51,27 +53,10 @@ def latest(root: str) -> str | None:
         return None
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old file or the whole new one."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(path) or ".")  # makes the rename itself survive a power loss
 
 
 def write_manifest(folder_path: str, manifest: dict[str, Any]) -> None:
-    write_durably(os.path.join(folder_path, MANIFEST), json.dumps(manifest, indent=1))
+    write_atomic(os.path.join(folder_path, MANIFEST), json.dumps(manifest, indent=1))
 
 
 def referenced(manifest: dict[str, Any]) -> set[str]:

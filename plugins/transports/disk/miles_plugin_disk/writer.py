@@ -84,7 +84,7 @@ def write_version(root: str, named: Iterable[tuple[str, torch.Tensor]], version:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     layout.fsync_path(root)
-    layout.write_durably(os.path.join(root, layout.LATEST), folder + "\n")
+    layout.write_atomic(os.path.join(root, layout.LATEST), folder + "\n")
     layout.prune(root, folder, keep, layout.referenced({"tensors": tensors}))
     return stats
 
