@@ -90,3 +90,13 @@ def install_plugin_dist(tmp_path: Path, name: str, version: str, module_code: st
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(site), str(src)], check=True)
     return site
+
+
+def assert_lazy_registration(module: str, kind: str, name: str) -> None:
+    """In a fresh interpreter with only ``module`` as a plugin: it registers component ``name``
+    of ``kind`` (e.g. ``"engines"``) without importing torch (so ``miles plugins`` stays fast)."""
+    code = (f"import sys; from miles import make_plugin_manager; "
+            f"pm = make_plugin_manager(extra=[{module!r}], autoload=False); "
+            f"assert {name!r} in pm.registry({kind!r}), 'not registered'; "
+            f"assert 'torch' not in sys.modules, 'torch imported at registration'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from miles.testing import install_plugin_dist
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -102,3 +102,9 @@ def test_shared_prompt_forward_equals_full_forward_with_gradients():
     for a, c in zip(g1, g2):
         if a is not None:
             torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6)
+
+
+def test_registration_is_lazy():
+    from miles.testing import assert_lazy_registration
+
+    assert_lazy_registration("miles_plugin_fsdp2", "trainers", "fsdp2")

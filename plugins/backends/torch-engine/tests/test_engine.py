@@ -1,6 +1,3 @@
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -10,6 +7,7 @@ from miles.testing import TinySpec, char_tokenizer
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine
+from miles.testing import assert_lazy_registration
 
 PROMPTS = [[2, 5, 6, 7, 8, 9, 10], [2, 11], [2, 12, 13, 14], [2, 15, 16, 17, 18]]
 
@@ -185,12 +183,7 @@ def test_no_warnings_and_lazy_registration(tok):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0), n=2)
-    code = ("import sys, miles_plugin_torch_engine as p; from miles import make_plugin_manager; "
-            "pm = make_plugin_manager(extra=['miles_plugin_torch_engine']); "
-            "assert pm.registry('engines')['torch'].config.__name__ == 'TorchEngineConfig'; "
-            "assert 'torch' not in sys.modules, 'torch imported at registration'")
-    env = {**os.environ, "MILES_DISABLE_PLUGIN_AUTOLOAD": "1"}  # other plugins may import torch
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    assert_lazy_registration("miles_plugin_torch_engine", "engines", "torch")
 
 
 @pytest.mark.parametrize("top_k,top_p,allowed", [(0, 1.0, 5), (2, 1.0, 2), (0, 0.7, 3), (0, 0.6, 2)])

@@ -36,3 +36,9 @@ def test_char_tokenizer_roundtrip():
     ids = tok.encode("07+45=", add_special_tokens=False)
     assert len(ids) == 6 and tok.decode(ids) == "07+45="
     assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "07+45="
+
+
+def test_registration_is_lazy():
+    from miles.testing import assert_lazy_registration
+
+    assert_lazy_registration("miles_plugin_arith", "envs", "arith")

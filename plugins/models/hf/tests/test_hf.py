@@ -36,3 +36,9 @@ def test_config_errors_say_what_to_do(tmp_path):
         HFModelConfig(path=str(tmp_path / "missing"))
     with pytest.raises(ValidationError, match="model_type"):
         HFModelConfig(config={"hidden_size": 8})
+
+
+def test_registration_is_lazy():
+    from miles.testing import assert_lazy_registration
+
+    assert_lazy_registration("miles_plugin_hf", "model_specs", "hf")

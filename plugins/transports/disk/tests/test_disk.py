@@ -1,7 +1,5 @@
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,6 +9,7 @@ from miles_plugin_disk import layout, writer
 from miles_plugin_disk.config import DiskSyncConfig
 from miles_plugin_disk.reader import load_version, read_manifest
 from miles_plugin_disk.transport import DiskTransport
+from miles.testing import assert_lazy_registration
 
 
 class Holder:
@@ -181,12 +180,7 @@ def test_real_torch_engine_with_tied_embeddings(tmp_path):
 
 
 def test_registration_is_lazy_and_out_dir_sets_the_default_dir(tmp_path):
-    code = ("import sys, miles_plugin_disk; from miles import make_plugin_manager; "
-            "pm = make_plugin_manager(extra=['miles_plugin_disk']); "
-            "assert pm.registry('transports')['disk'].config.__name__ == 'DiskSyncConfig'; "
-            "assert 'torch' not in sys.modules, 'torch imported at registration'")
-    env = {**os.environ, "MILES_DISABLE_PLUGIN_AUTOLOAD": "1"}  # other plugins may import torch
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    assert_lazy_registration("miles_plugin_disk", "transports", "disk")
     from miles_plugin_disk import _make
 
     assert _make(DiskSyncConfig(), out_dir=str(tmp_path)).dir == str(tmp_path / "weights")

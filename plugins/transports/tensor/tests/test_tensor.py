@@ -38,3 +38,9 @@ def test_verify_fails_loudly_on_a_mismatch():
 
     with pytest.raises(MilesError, match="verification failed"):
         TensorTransport(TensorSyncConfig(verify=True)).sync(Holder(0), [Lossy(1)], version=1)
+
+
+def test_registration_is_lazy():
+    from miles.testing import assert_lazy_registration
+
+    assert_lazy_registration("miles_plugin_tensor", "transports", "tensor")
