@@ -154,3 +154,17 @@ def test_disk_transport_end_to_end_with_verification(cli, tmp_path):
     got = rows(out)
     assert all(g["weight_sync_bytes"] > 0 for g in got[1:])
     assert (out / "weights" / "LATEST").read_text().strip().endswith("2")
+
+
+def test_minibatches_recompute_old_logprobs_and_move_the_ratio(cli, tmp_path):
+    out, reward = tmp_path / "run", tmp_path / "first_char.py"
+    # a reward a random model gets sometimes, so the advantages are not all zero
+    reward.write_text("from miles import hookimpl\n@hookimpl\ndef miles_reward(sample):\n"
+                      "    return float(sample.response[:1] in '01234')\n")
+    r = cli("train", TINY, "--plugin", str(reward), f"run.out_dir={out}", "run.steps=2",
+            "run.warm_start=null", "rollout.minibatches=2", "trainer.lr=0.01")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = rows(out)[1:]
+    # the second optimizer step of a rollout batch sees a policy that already moved: ratio != 1
+    assert all(abs(g["ppo_kl"]) > 0 for g in got)
+    assert all(g["train_rollout_logprob_abs_diff"] >= 0 for g in got)
