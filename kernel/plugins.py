@@ -173,10 +173,10 @@ def plugin_table(pm: MilesPluginManager) -> list[dict[str, Any]]:
     for hook_name in sorted(n for n in dir(pm.hook) if n.startswith("miles_")):
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             by_plugin.setdefault(pm.get_name(impl.plugin), []).append(hook_name)
-    rows = []
+    rows, dists = [], md.packages_distributions()  # a scan of site-packages: once, not per row
     for name, plugin in pm.list_name_plugin():
         origin = pm.origins.get(name, name)
-        dist = md.packages_distributions().get((getattr(plugin, "__name__", "") or "").split(".")[0])
+        dist = dists.get((getattr(plugin, "__name__", "") or "").split(".")[0])
         dist_name = dist[0] if dist else ("miles" if name == "miles.builtin" else None)
         version = None
         if dist_name:
