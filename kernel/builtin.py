@@ -21,11 +21,23 @@ def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
+def decode_batch(tokenizer: Any, ids: list[list[int]]) -> list[str]:
+    """Texts of many responses; a fast tokenizer's Rust backend skips transformers' per-list
+    conversions, which cost more than the decoding itself for short responses."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch(ids, skip_special_tokens=True)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
 def single_turn(tasks: list[Task], n: int, engine: Any, tokenizer: Any, params: SamplingParams) -> list[list[Sample]]:
     """Generate ``n`` samples for each task in one batched engine call."""
-    prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
+    if all(isinstance(t.prompt, str) for t in tasks):  # one tokenizer call for the whole batch
+        prompts = tokenizer([t.prompt for t in tasks], add_special_tokens=False)["input_ids"]
+    else:
+        prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
     outs = engine.generate(prompts, params, n=n)
-    texts = iter(tokenizer.batch_decode([c.token_ids for cs in outs for c in cs], skip_special_tokens=True))
+    texts = iter(decode_batch(tokenizer, [c.token_ids for cs in outs for c in cs]))
     return [[Sample(task=task, prompt_ids=prompt_ids, response_ids=c.token_ids, response=next(texts),
                     logprobs=c.logprobs, weight_version=c.weight_version,
                     status=Status.COMPLETED if c.finish_reason == "stop" else Status.TRUNCATED)

@@ -5,6 +5,8 @@ The pure functions (``group_advantages``, ``kl_estimate``, ``ppo_clip_loss``, ``
 """
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 import torch
@@ -25,15 +27,16 @@ def group_advantages(rewards: Sequence[float], std_normalize: bool = True) -> li
     A single-sample group has no baseline to compare against, so its advantage is the raw
     reward (REINFORCE without baseline) rather than a vacuous 0.
     """
-    r = torch.tensor([float(x) for x in rewards], dtype=torch.float64)
-    if r.numel() == 1:
-        return [float(r[0])]
-    adv = r - r.mean()
+    r = [float(x) for x in rewards]  # plain floats: groups are tiny, tensors cost more than math
+    if len(r) == 1:
+        return r
+    mean = sum(r) / len(r)
+    adv = [x - mean for x in r]
     if std_normalize:
-        std = r.std()
+        std = math.sqrt(sum(a * a for a in adv) / (len(r) - 1))
         if std > 0:
-            adv = adv / (std + STD_EPS)
-    return [float(a) for a in adv]
+            adv = [a / (std + STD_EPS) for a in adv]
+    return adv
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
