@@ -21,6 +21,13 @@ def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
+def encode_prompts(tokenizer: Any, prompts: list) -> list[list[int]]:
+    """``encode_prompt`` for many prompts; all-text batches take one tokenizer call."""
+    if all(isinstance(p, str) for p in prompts):
+        return [list(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    return [encode_prompt(tokenizer, p) for p in prompts]
+
+
 def decode_batch(tokenizer: Any, ids: list[list[int]]) -> list[str]:
     """Texts of many responses; a fast tokenizer's Rust backend skips transformers' per-list
     conversions, which cost more than the decoding itself for short responses."""
@@ -32,10 +39,7 @@ def decode_batch(tokenizer: Any, ids: list[list[int]]) -> list[str]:
 
 def single_turn(tasks: list[Task], n: int, engine: Any, tokenizer: Any, params: SamplingParams) -> list[list[Sample]]:
     """Generate ``n`` samples for each task in one batched engine call."""
-    if all(isinstance(t.prompt, str) for t in tasks):  # one tokenizer call for the whole batch
-        prompts = tokenizer([t.prompt for t in tasks], add_special_tokens=False)["input_ids"]
-    else:
-        prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
+    prompts = encode_prompts(tokenizer, [t.prompt for t in tasks])
     outs = engine.generate(prompts, params, n=n)
     texts = iter(decode_batch(tokenizer, [c.token_ids for cs in outs for c in cs]))
     return [[Sample(task=task, prompt_ids=prompt_ids, response_ids=c.token_ids, response=next(texts),

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import yaml
 
 from . import builtin, checkpoint
-from .builtin import encode_prompt, single_turn
+from .builtin import encode_prompts, single_turn
 from .config import Config
 from .plugins import MilesPluginManager, call_all, call_first
 from .types import Batch, Group, Sample, SamplingParams, Task
@@ -107,12 +107,12 @@ class Loop:
     # -- batches -----------------------------------------------------------------------------------
     def demo_samples(self, demos: Sequence, count: int, rng: random.Random) -> list[Sample]:
         tok, eos = self.p.tokenizer, self.p.tokenizer.eos_token_id
-        out = []
-        for task, text in (rng.choice(demos) for _ in range(count)):
-            ids = list(tok.encode(text, add_special_tokens=False)) + ([eos] if eos is not None else [])
-            out.append(Sample(task=task, prompt_ids=encode_prompt(tok, task.prompt), response_ids=ids,
-                              response=text, weight_version=self.version))
-        return out
+        picked = [rng.choice(demos) for _ in range(count)]
+        prompts = encode_prompts(tok, [task.prompt for task, _ in picked])
+        responses = encode_prompts(tok, [text for _, text in picked])  # plain text, no template
+        stop = [eos] if eos is not None else []
+        return [Sample(task=task, prompt_ids=p, response_ids=r + stop, response=text, weight_version=self.version)
+                for (task, text), p, r in zip(picked, prompts, responses)]
 
     def loss_fn(self, algorithm: Any):
         pm = self.pm
