@@ -29,13 +29,25 @@ def latest(out_dir: str) -> tuple[Path, dict[str, Any]] | None:
 
 def save(out_dir: str, step: int, state: dict[str, Any], write: Callable[[str], None], keep: int) -> Path:
     """Write a checkpoint atomically: fill a temp folder, fsync, rename, then prune old ones."""
+    tmp = begin(out_dir, step)
+    write(str(tmp))
+    return commit(tmp, step, state, keep)
+
+
+def begin(out_dir: str, step: int) -> Path:
+    """A fresh temp folder for step ``step`` (every trainer rank writes its part into it)."""
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write(str(tmp))
+    return tmp
+
+
+def commit(tmp: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Seal a filled temp folder: state file, fsync, atomic rename, prune old checkpoints."""
+    root = tmp.parent
+    final = root / f"step_{step:06d}"
     (tmp / STATE).write_text(json.dumps({**state, "step": step}))
     for f in tmp.rglob("*"):
         if f.is_file():

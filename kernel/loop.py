@@ -1,4 +1,10 @@
-"""The post-training loop: tasks -> rollout -> rewards -> filters -> advantages -> train -> sync."""
+"""The post-training loop: tasks -> rollout -> rewards -> filters -> advantages -> train -> sync.
+
+SPMD across trainer ranks (torchrun-style, env ``RANK``/``WORLD_SIZE``): every rank runs this loop;
+rank 0 alone owns the engines, rolls out, evaluates, logs and seals checkpoints; the other ranks
+receive each step's samples through ``trainer.broadcast_object`` and join every collective call
+(train step, log-probs, weight sync, checkpoint writes).
+"""
 from __future__ import annotations
 
 import os
@@ -35,6 +41,8 @@ class Loop:
         self.seed = cfg.run.seed
         self.version = 0
         self.loggers: list[Any] = []
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.main = self.rank == 0
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, with_engine: bool = True) -> Parts:
@@ -49,7 +57,7 @@ class Loop:
         tokenizer = spec.build_tokenizer(env.tokenizer() if hasattr(env, "tokenizer") else None)
         algorithm = pm.create("algorithms", cfg.name("algorithm"), cfg.settings("algorithm"))
         engine = None
-        if with_engine:
+        if with_engine and self.main:
             engine = pm.create("engines", cfg.name("engine"), cfg.settings("engine"), spec=spec,
                                tokenizer=tokenizer, seed=self.seed)
             engine.tokenizer = tokenizer
@@ -95,6 +103,9 @@ class Loop:
         s.reward = float(r)
 
     def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the eval split (rank 0; the other ranks get ``{}``)."""
+        if not self.main:
+            return {}
         tasks = list(self.p.env.tasks("eval"))
         groups = self.rollout(tasks, 1, self.eval_params)
         rewards = [g.samples[0].reward for g in groups]
@@ -102,7 +113,15 @@ class Loop:
                 "eval_reward_mean": sum(rewards) / max(len(rewards), 1)}
 
     def sync(self) -> dict[str, float]:
-        return self.p.transport.sync(self.p.trainer, [self.p.engine], self.version)
+        engines = [self.p.engine] if self.p.engine is not None else []
+        return self.p.transport.sync(self.p.trainer, engines, self.version)
+
+    def share(self, obj: Any) -> Any:
+        """``obj`` as rank 0 has it, on every trainer rank."""
+        trainer = self.p.trainer
+        if getattr(trainer, "world_size", 1) > 1:
+            return trainer.broadcast_object(obj)
+        return obj
 
     # -- batches -----------------------------------------------------------------------------------
     def demo_samples(self, demos: Sequence, count: int, rng: random.Random) -> list[Sample]:
@@ -160,7 +179,8 @@ class Loop:
         algo = self.pm.create("algorithms", ws.algorithm, None)
         self.p.trainer = self.make_trainer(self.cfg.warm_start_trainer, algo)
         demos, rng = list(env.demonstrations()), random.Random(self.seed)
-        best, stale, log = -1.0, 0, builtin.JsonlLogger(out_dir=self.cfg.run.out_dir, filename="warm_start.jsonl")
+        best, stale = -1.0, 0
+        log = builtin.JsonlLogger(out_dir=self.cfg.run.out_dir, filename="warm_start.jsonl") if self.main else None
         t0 = time.perf_counter()
         for step in range(1, ws.max_steps + 1):
             m = self.update(self.demo_samples(demos, ws.batch_size, rng), [0.0] * ws.batch_size, algo)
@@ -168,17 +188,19 @@ class Loop:
                 continue
             self.version += 1
             self.sync()
-            m.update(self.evaluate(), seconds=time.perf_counter() - t0)
-            log.log(step, m)
-            self.console(f"warm start step {step}: eval_acc {m['eval_accuracy']:.3f}  "
-                         f"loss {m.get('sft_loss', float('nan')):.4f}")
+            m.update(self.share(self.evaluate()), seconds=time.perf_counter() - t0)
+            if self.main:
+                log.log(step, m)
+                self.console(f"warm start step {step}: eval_acc {m['eval_accuracy']:.3f}  "
+                             f"loss {m.get('sft_loss', float('nan')):.4f}")
             if m["eval_accuracy"] > best + ws.min_delta:
                 best, stale = m["eval_accuracy"], 0
             else:
                 stale += 1
                 if stale >= ws.patience and step >= ws.min_steps:
                     break
-        log.close()
+        if log:
+            log.close()
         weights = dict(self.p.trainer.named_weights())
         self.p.trainer = self.make_trainer(self.cfg.settings("trainer"), self.p.algorithm)
         self.p.trainer.load_weights(weights.items())
@@ -201,6 +223,18 @@ class Loop:
             m.update(self._after_update(t0), reward_mean=sum(s.reward for s in samples) / n)
             return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
         params = replace(self.params, seed=rng.randrange(2**31))
+        kept, m = self.share(self.collect(rng, params) if self.main else None)
+        t_roll = time.perf_counter()
+        if kept:  # a step whose groups were all dropped is logged without an update
+            advs = [a for per_group in algo.advantages(kept) for a in per_group]
+            m.update(self.update([s for g in kept for s in g.samples], advs, algo, params.temperature))
+            m.update(self._after_update(t_roll))
+        m.update(weight_version=self.version, step_seconds=time.perf_counter() - t0)
+        return m
+
+    def collect(self, rng: random.Random, params: SamplingParams) -> tuple[list[Group], dict[str, Any]]:
+        """Roll out until ``rollout.batch_size`` groups pass the filters (bounded refill)."""
+        cfg, algo, t0 = self.cfg, self.p.algorithm, time.perf_counter()
         kept, sampled, dropped = [], [], 0
         for _ in range(cfg.rollout.oversample_rounds + 1):
             need = cfg.rollout.batch_size - len(kept)
@@ -217,18 +251,12 @@ class Loop:
         t_roll = time.perf_counter()
         samples = [s for g in sampled for s in g.samples]
         rewards = [s.reward for s in samples]
-        m: dict[str, Any] = {
+        return kept, {
             "reward_mean": sum(rewards) / len(rewards),
             "groups_kept": len(kept), "groups_dropped": dropped,
             "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "tokens_per_second": sum(len(s.response_ids) for s in samples) / max(t_roll - t0, 1e-9),
             "rollout_seconds": t_roll - t0}
-        if kept:  # a step whose groups were all dropped is logged without an update
-            advs = [a for per_group in algo.advantages(kept) for a in per_group]
-            m.update(self.update([s for g in kept for s in g.samples], advs, algo, params.temperature))
-            m.update(self._after_update(t_roll))
-        m.update(weight_version=self.version, step_seconds=time.perf_counter() - t0)
-        return m
 
     def _after_update(self, t_train: float) -> dict[str, Any]:
         """Timing of the update just made, then a new weight version pushed to the engines."""
@@ -239,16 +267,27 @@ class Loop:
 
     # -- the run -----------------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.main:
+            return
         for lg in self.loggers:
             lg.log(step, metrics)
         call_all(self.pm, "miles_on_step_end", step=step, metrics=metrics)
 
     def save(self, step: int) -> None:
-        checkpoint.save(self.cfg.run.out_dir, step, {"weight_version": self.version},
-                        lambda d: self.p.trainer.save(os.path.join(d, "trainer")), self.cfg.run.keep_checkpoints)
+        """Every rank writes its part into rank 0's temp folder; rank 0 seals it atomically."""
+        tmp = self.share(checkpoint.begin(self.cfg.run.out_dir, step) if self.main else None)
+        self.p.trainer.save(os.path.join(tmp, "trainer"))
+        if getattr(self.p.trainer, "world_size", 1) > 1:
+            self.p.trainer.barrier()
+        if self.main:
+            checkpoint.commit(tmp, step, {"weight_version": self.version}, self.cfg.run.keep_checkpoints)
+        if getattr(self.p.trainer, "world_size", 1) > 1:
+            self.p.trainer.barrier()
 
     def open_loggers(self) -> None:
         run = self.cfg.run
+        if not self.main:
+            return
         self.loggers = [builtin.JsonlLogger(out_dir=run.out_dir)]
         for name, settings in self.cfg.loggers:
             if name != "jsonl":
@@ -258,8 +297,9 @@ class Loop:
     def restore(self) -> int:
         """Resume from the newest checkpoint; the first step still to run."""
         found = checkpoint.latest(self.cfg.run.out_dir)
-        checkpoint.truncate_metrics(os.path.join(self.cfg.run.out_dir, "metrics.jsonl"),
-                                    found[1]["step"] if found else None)
+        if self.main:
+            checkpoint.truncate_metrics(os.path.join(self.cfg.run.out_dir, "metrics.jsonl"),
+                                        found[1]["step"] if found else None)
         if not found:
             return 0
         path, state = found
@@ -272,8 +312,9 @@ class Loop:
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         os.makedirs(cfg.run.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.run.out_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(cfg.raw, f, sort_keys=False)
+        if self.main:
+            with open(os.path.join(cfg.run.out_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(cfg.raw, f, sort_keys=False)
         self.build()
         start = self.restore()
         self.open_loggers()
