@@ -17,7 +17,9 @@ from .types import SamplingParams, Sample, Status, Task
 def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
     """Token ids of a task prompt: chat messages through the chat template, text as is."""
     if isinstance(prompt, list):
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
     return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
