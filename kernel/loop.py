@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -18,6 +20,7 @@ import yaml
 from . import builtin, checkpoint
 from .builtin import encode_prompts, single_turn
 from .config import Config
+from .errors import MilesError
 from .plugins import MilesPluginManager, call_all, call_first
 from .types import Batch, Group, Sample, SamplingParams, Task
 
@@ -35,6 +38,14 @@ class Parts:
     trainer: Any = None
 
 
+class Interrupted(MilesError):
+    """The run stopped on SIGINT/SIGTERM after checkpointing; the message is a one-line summary."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class Loop:
     def __init__(self, pm: MilesPluginManager, cfg: Config):
         self.pm, self.cfg = pm, cfg
@@ -43,6 +54,8 @@ class Loop:
         self.loggers: list[Any] = []
         self.rank = int(os.environ.get("RANK", "0"))
         self.main = self.rank == 0
+        self.stop_signal: int | None = None  # set by SIGINT/SIGTERM during run()
+        self._previous: dict[int, Any] = {}
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, with_engine: bool = True) -> Parts:
@@ -158,6 +171,11 @@ class Loop:
         k = max(1, min(self.cfg.rollout.minibatches, len(batch)))
         if k > 1:
             batch.old_logprobs = trainer.logprobs(batch, "policy")
+        critic = getattr(algorithm, "needs_critic", False)
+        if critic:  # the critic's V_t before the update (PPO's GAE)
+            batch.extras["values"] = trainer.values(batch)
+        # optional whole-batch step: token advantages needing ref/old/values (KL in reward, GAE)
+        prepared = algorithm.prepare(batch) if hasattr(algorithm, "prepare") else {}
         order = list(range(len(batch)))
         random.Random(self.seed + self.version).shuffle(order)
         chunks = [order[i::k] for i in range(k)] if k > 1 else [order]
@@ -166,14 +184,15 @@ class Loop:
             mb = batch.select(sorted(idx)).as_global() if k > 1 else batch
             for key, v in trainer.train_step(mb, self.loss_fn(algorithm)).items():
                 totals[key] = totals.get(key, 0.0) + v / len(chunks)
-        return totals
+            for key, v in (trainer.train_critic(mb, algorithm.value_loss) if critic else {}).items():
+                totals[key] = totals.get(key, 0.0) + v / len(chunks)
+        return {**prepared, **totals}
 
     # -- phases ------------------------------------------------------------------------------------
     def warm_start(self) -> None:
         """Supervised training on demonstrations until eval accuracy plateaus."""
         ws, env = self.cfg.run.warm_start, self.p.env
         if not hasattr(env, "demonstrations"):
-            from .errors import MilesError
             raise MilesError(f"run.warm_start needs demonstrations, but env {self.cfg.name('env')!r} "
                              f"has none; remove run.warm_start or pick an env that provides them")
         algo = self.pm.create("algorithms", ws.algorithm, None)
@@ -183,6 +202,8 @@ class Loop:
         log = builtin.JsonlLogger(out_dir=self.cfg.run.out_dir, filename="warm_start.jsonl") if self.main else None
         t0 = time.perf_counter()
         for step in range(1, ws.max_steps + 1):
+            if self.share(self.stop_signal):
+                raise KeyboardInterrupt
             m = self.update(self.demo_samples(demos, ws.batch_size, rng), [0.0] * ws.batch_size, algo)
             if step % ws.eval_every and step != ws.max_steps:
                 continue
@@ -309,12 +330,30 @@ class Loop:
         self.sync()
         return state["step"] + 1
 
+    def _catch_signals(self) -> None:
+        """First SIGINT/SIGTERM: finish the current step, checkpoint, stop. A second: abandon now."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_signal(signum, _frame):
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+            self.console(f"{signal.Signals(signum).name}: stopping after this step (again to abandon it)")
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         os.makedirs(cfg.run.out_dir, exist_ok=True)
         if self.main:
             with open(os.path.join(cfg.run.out_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(cfg.raw, f, sort_keys=False)
+        self._catch_signals()
         self.build()
         start = self.restore()
         self.open_loggers()
@@ -343,7 +382,14 @@ class Loop:
                 history.append({"step": step, **m})
                 if step % cfg.run.checkpoint_every == 0 or step == cfg.run.steps:
                     self.save(step)
+                elif self.share(self.stop_signal):
+                    self.save(step)
+                if self.share(self.stop_signal):
+                    raise Interrupted(f"{signal.Signals(self.stop_signal or signal.SIGTERM).name} after "
+                                      f"step {step}: checkpoint written; rerun the same command to resume "
+                                      f"from {cfg.run.out_dir}", 128 + (self.stop_signal or signal.SIGTERM))
         finally:
+            self._restore_signals()
             for lg in self.loggers:
                 lg.close()
         return history

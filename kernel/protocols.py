@@ -127,6 +127,20 @@ class Algorithm(Protocol):
 
 
 @runtime_checkable
+class Launcher(Protocol):
+    """Places and supervises the processes of a run. Factory context: none.
+
+    ``launch(config, pm, plugins)`` runs the whole job and returns its exit code: it starts
+    trainer ranks (``miles train`` with torchrun-style ``RANK``/``WORLD_SIZE``/``MASTER_*`` and
+    ``MILES_LAUNCHED=1``, so they run the loop instead of launching again) and engine workers,
+    turns a dead child into an error that names it, and leaves no process behind on success,
+    failure or Ctrl-C. ``plugins``: launch-time plugin modules the children must load too.
+    """
+
+    def launch(self, config: Any, pm: Any, plugins: list[str]) -> int: ...
+
+
+@runtime_checkable
 class Logger(Protocol):
     """Metric sink. Factory context: ``out_dir``, ``total_steps``."""
 

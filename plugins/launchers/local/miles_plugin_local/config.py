@@ -1,0 +1,33 @@
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class LocalLauncherConfig(BaseModel):
+    """Placement of one run on this machine.
+
+    ``engines: 0`` keeps the engine inside trainer rank 0 (colocated in one process, as without a
+    launcher); ``engines: N`` starts N ``miles serve`` workers that trainer rank 0 drives over
+    HTTP (the ``sglang`` engine client). Devices are CUDA indices; leave them out for CPU.
+    Trainer and engine devices may overlap (colocated on GPUs) or not (disaggregated).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    trainer_ranks: int = Field(1, gt=0, description="trainer processes (the FSDP2 world size)")
+    engines: int = Field(1, ge=0, description="engine worker processes (0 = engine inside trainer rank 0)")
+    trainer_devices: list[int] | None = Field(None, description="CUDA device of each trainer rank (null = CPU)")
+    engine_devices: list[int] | None = Field(None, description="CUDA device of each engine (null = CPU)")
+    host: str = Field("127.0.0.1", description="address the engine workers bind")
+    engine_threads: int | None = Field(None, gt=0, description="torch CPU threads per engine worker")
+    startup_timeout_s: float = Field(300.0, gt=0, description="time an engine may take to become healthy")
+    shutdown_grace_s: float = Field(60.0, gt=0, description="time trainers get to checkpoint and exit "
+                                    "after Ctrl-C/SIGTERM before they are killed")
+
+    @model_validator(mode="after")
+    def _devices_match(self):
+        if self.trainer_devices is not None and len(self.trainer_devices) != self.trainer_ranks:
+            raise ValueError(f"trainer_devices lists {len(self.trainer_devices)} devices for "
+                             f"{self.trainer_ranks} trainer_ranks; give one per rank")
+        if self.engine_devices is not None and len(self.engine_devices) != self.engines:
+            raise ValueError(f"engine_devices lists {len(self.engine_devices)} devices for "
+                             f"{self.engines} engines; give one per engine")
+        return self

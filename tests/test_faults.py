@@ -1,0 +1,53 @@
+"""Stopping a run on purpose: SIGTERM/SIGINT finish the step, checkpoint, and exit non-zero."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "tests/tiny.yaml"
+
+
+def rows(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_rows(path: Path, count: int, proc, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        assert proc.poll() is None, "the run ended before it could be signalled"
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never reached {count} rows")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_checkpoints_the_finished_step_and_rerun_resumes(tmp_path, sig):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}", "run.steps=40",
+           "run.checkpoint_every=100", "run.warm_start.max_steps=5"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_rows(out / "metrics.jsonl", 3, proc)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    last = rows(out)[-1]["step"]
+    assert 2 <= last < 40
+    summary = [line for line in err.splitlines() if line.startswith("miles: error:")]
+    assert summary == [f"miles: error: {sig.name} after step {last}: checkpoint written; rerun the same "
+                       f"command to resume from {out}"], err[-2000:]
+    assert "Traceback" not in err
+    assert (out / "checkpoints" / f"step_{last:06d}" / "state.json").is_file()
+    r = subprocess.run([*cmd, "run.steps=" + str(last + 2)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resuming from step {last}" in r.stdout
+    assert [g["step"] for g in rows(out)] == list(range(0, last + 3))
