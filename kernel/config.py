@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -45,6 +45,9 @@ class RunConfig(Strict):
     eval_every: int = Field(10, gt=0, description="steps between evaluations (step 0 and the last always)")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
     warm_start: WarmStartConfig | None = Field(None, description="optional supervised warm start")
+    mode: Literal["sync", "async"] = Field("sync", description="sync: rollout then train, exactly "
+                                           "on-policy; async: rollout workers stream groups into a "
+                                           "bounded buffer while the trainer trains")
 
 
 class RolloutConfig(Strict):
@@ -58,6 +61,15 @@ class RolloutConfig(Strict):
                                    "whose groups were filtered out (bounded, never a hang)")
     minibatches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style "
                              "mini-batches; >1 recomputes old log-probs)")
+    max_staleness: int = Field(1, ge=0, description="async: groups more than this many weight "
+                               "versions old are dropped or importance-weighted (stale_policy)")
+    stale_policy: Literal["drop", "importance"] = Field("drop", description="async: what happens "
+                                                        "to groups older than max_staleness")
+    importance_cap: float = Field(2.0, gt=0, description="async: truncation of importance weights")
+    buffer_groups: int | None = Field(None, gt=0, description="async: buffer capacity in groups "
+                                      "(default 2 x batch_size)")
+    async_workers: int = Field(2, gt=0, description="async: rollout threads, each keeping a chunk of "
+                               "batch_size / async_workers prompts in flight")
     eval_max_new_tokens: int | None = Field(None, gt=0, description="limit for greedy evaluation "
                                             "(default: max_new_tokens)")
 

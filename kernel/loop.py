@@ -7,6 +7,7 @@ receive each step's samples through ``trainer.broadcast_object`` and join every 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from . import builtin, checkpoint
+from . import builtin, checkpoint, streaming
 from .builtin import encode_prompts, single_turn
 from .config import Config
 from .errors import MilesError
@@ -55,6 +56,8 @@ class Loop:
         self.rank = int(os.environ.get("RANK", "0"))
         self.main = self.rank == 0
         self.stop_signal: int | None = None  # set by SIGINT/SIGTERM during run()
+        self.streamer: streaming.Streamer | None = None  # run.mode async, rank 0
+        self.engine_lock: Any = contextlib.nullcontext()
         self._previous: dict[int, Any] = {}
 
     # -- construction ------------------------------------------------------------------------------
@@ -91,6 +94,10 @@ class Loop:
     # -- rollout, rewards, evaluation --------------------------------------------------------------
     def rollout(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
         """Custom ``miles_rollout`` hooks first; tasks nobody claims go to one batched call."""
+        with self.engine_lock:
+            return self._rollout(tasks, n, params)
+
+    def _rollout(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
         engine, out = self.p.engine, {}
         engine.sampling_params = params
         if len(self.pm.hook.miles_rollout.get_hookimpls()) > 1:
@@ -127,7 +134,8 @@ class Loop:
 
     def sync(self) -> dict[str, float]:
         engines = [self.p.engine] if self.p.engine is not None else []
-        return self.p.transport.sync(self.p.trainer, engines, self.version)
+        with self.engine_lock:
+            return self.p.transport.sync(self.p.trainer, engines, self.version)
 
     def share(self, obj: Any) -> Any:
         """``obj`` as rank 0 has it, on every trainer rank."""
@@ -164,13 +172,16 @@ class Loop:
         """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch.
         ``temperature``: the one the samples were generated at (log-probs are scored at it)."""
         trainer = self.p.trainer
-        batch = Batch.from_samples(samples, self.p.tokenizer.pad_token_id, advantages)
+        build = getattr(algorithm, "make_batch", None)  # e.g. SFT's sequence packing
+        batch = (build or Batch.from_samples)(samples, self.p.tokenizer.pad_token_id, advantages)
         batch.temperature = temperature or 1.0
         if getattr(algorithm, "needs_reference", False):
             batch.ref_logprobs = trainer.logprobs(batch, "ref")
         k = max(1, min(self.cfg.rollout.minibatches, len(batch)))
         if k > 1:
             batch.old_logprobs = trainer.logprobs(batch, "policy")
+        if self.streamer is not None and self.cfg.rollout.stale_policy == "importance":
+            self._importance(batch)
         critic = getattr(algorithm, "needs_critic", False)
         if critic:  # the critic's V_t before the update (PPO's GAE)
             batch.extras["values"] = trainer.values(batch)
@@ -187,6 +198,19 @@ class Loop:
             for key, v in (trainer.train_critic(mb, algorithm.value_loss) if critic else {}).items():
                 totals[key] = totals.get(key, 0.0) + v / len(chunks)
         return {**prepared, **totals}
+
+    def _importance(self, batch: Batch) -> None:
+        """Samples older than ``max_staleness``: advantages times truncated importance weights
+        against the trainer's current policy (which becomes the PPO ratio's reference)."""
+        import torch
+
+        r = self.cfg.rollout
+        stale = torch.tensor([self.version - s.weight_version > r.max_staleness for s in batch.samples])
+        if stale.any():
+            if batch.old_logprobs is None:
+                batch.old_logprobs = self.p.trainer.logprobs(batch, "policy")
+            w = streaming.importance_weights(batch, r.importance_cap)
+            batch.advantages = torch.where(stale[:, None], batch.advantages * w, batch.advantages)
 
     # -- phases ------------------------------------------------------------------------------------
     def warm_start(self) -> None:
@@ -237,14 +261,20 @@ class Loop:
         rng = random.Random(self.seed * 1_000_003 + step)
         if not algo.uses_rollout:  # supervised: demonstrations instead of rollouts
             n = cfg.rollout.batch_size * cfg.rollout.n
-            samples = self.demo_samples(self.p.env.demonstrations(), n, rng)
+            source = getattr(algo, "supervised_samples", None)  # e.g. SFT from a dataset file
+            samples = source(self.p.tokenizer, n, rng, self.version) if source else None
+            if samples is None:
+                samples = self.demo_samples(self.p.env.demonstrations(), n, rng)
             for s in samples:
                 self.score(s)
             m = self.update(samples, [0.0] * n, algo)
             m.update(self._after_update(t0), reward_mean=sum(s.reward for s in samples) / n)
             return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
         params = replace(self.params, seed=rng.randrange(2**31))
-        kept, m = self.share(self.collect(rng, params) if self.main else None)
+        if self.streamer is not None or not self.main:  # async: groups come from the buffer
+            kept, m = self.share(self.streamer.take() if self.main else None)
+        else:
+            kept, m = self.collect(rng, params)
         t_roll = time.perf_counter()
         if kept:  # a step whose groups were all dropped is logged without an update
             advs = [a for per_group in algo.advantages(kept) for a in per_group]
@@ -273,7 +303,7 @@ class Loop:
         samples = [s for g in sampled for s in g.samples]
         rewards = [s.reward for s in samples]
         return kept, {
-            "reward_mean": sum(rewards) / len(rewards),
+            "reward_mean": sum(rewards) / len(rewards), "staleness_mean": 0.0,
             "groups_kept": len(kept), "groups_dropped": dropped,
             "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "tokens_per_second": sum(len(s.response_ids) for s in samples) / max(t_roll - t0, 1e-9),
@@ -343,6 +373,14 @@ class Loop:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, on_signal)
 
+    def _start_streaming(self) -> None:
+        if self.cfg.run.mode != "async" or not self.main or not self.p.algorithm.uses_rollout:
+            return
+        if not getattr(self.p.engine, "remote", False):  # one in-process engine: take turns
+            self.engine_lock = threading.Lock()
+        self.streamer = streaming.Streamer(self)
+        self.streamer.start()
+
     def _restore_signals(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -374,6 +412,7 @@ class Loop:
                 start = 1
             else:
                 self.console(f"resuming from step {start - 1} in {cfg.run.out_dir}")
+            self._start_streaming()
             for step in range(start, cfg.run.steps + 1):
                 m = self.rl_step(step)
                 if step % cfg.run.eval_every == 0 or step == cfg.run.steps:
@@ -389,6 +428,8 @@ class Loop:
                                       f"step {step}: checkpoint written; rerun the same command to resume "
                                       f"from {cfg.run.out_dir}", 128 + (self.stop_signal or signal.SIGTERM))
         finally:
+            if self.streamer is not None:
+                self.streamer.close()
             self._restore_signals()
             for lg in self.loggers:
                 lg.close()

@@ -1,0 +1,117 @@
+"""``run.mode: async``: rollout workers stream finished groups into a bounded buffer that the
+trainer drains at its own pace; new weights reach the engines after every step while generation
+goes on. Groups more than ``rollout.max_staleness`` weight versions old are dropped or kept with
+truncated importance weights (``rollout.stale_policy``).
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from .errors import MilesError
+from .plugins import call_all
+from .types import Group
+
+
+class Streamer:
+    """Producer threads (each keeps one chunk of requests in flight at the engines) plus the
+    trainer-side ``take``. An in-process engine is shared under a lock, so a weight update waits
+    for the chunk being generated (it finishes on the old weights); remote engines serialise
+    requests and updates themselves."""
+
+    def __init__(self, loop: Any):
+        self.loop, r = loop, loop.cfg.rollout
+        self.buffer: queue.Queue[Group] = queue.Queue(maxsize=r.buffer_groups or 2 * r.batch_size)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.blocked = [0.0] * r.async_workers  # seconds each worker waited for buffer space
+        self.idle_mark = 0.0
+        chunk = max(1, -(-r.batch_size // r.async_workers))
+        self.threads = [threading.Thread(target=self._produce, args=(i, chunk), daemon=True,
+                                         name=f"miles-rollout-{i}") for i in range(r.async_workers)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.buffer.get_nowait()
+        for t in self.threads:
+            t.join(timeout=30)
+
+    def _produce(self, worker: int, chunk: int) -> None:
+        loop = self.loop
+        rng = random.Random(loop.seed * 7919 + worker + 1_000 * loop.version)
+        try:
+            while not self.stop.is_set():
+                tasks = rng.sample(loop.train_tasks, min(chunk, len(loop.train_tasks)))
+                params = replace(loop.params, seed=rng.randrange(2**31))
+                for g in loop.rollout(tasks, loop.cfg.rollout.n, params):
+                    self._put(worker, g)
+        except BaseException as e:  # surfaced to the trainer by take()
+            self.error = e
+
+    def _put(self, worker: int, group: Group) -> None:
+        t0 = time.perf_counter()
+        while not self.stop.is_set():
+            try:
+                self.buffer.put(group, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self.blocked[worker] += time.perf_counter() - t0
+
+    def take(self) -> tuple[list[Group], dict[str, float]]:
+        """The next ``rollout.batch_size`` groups that pass the filters and the staleness bound."""
+        loop, r = self.loop, self.loop.cfg.rollout
+        kept, sampled, dropped, stale, lags, waited = [], [], 0, 0, [], 0.0
+        while len(kept) < r.batch_size:
+            t0 = time.perf_counter()
+            g = self._get()
+            waited += time.perf_counter() - t0
+            sampled.append(g)
+            lag = loop.version - min(s.weight_version for s in g.samples)
+            if lag > r.max_staleness and r.stale_policy == "drop":
+                stale += 1
+                continue
+            if loop.p.algorithm.keep(g) and False not in call_all(loop.pm, "miles_filter", group=g):
+                kept.append(g)
+                lags.append(lag)
+            else:
+                dropped += 1
+        samples = [s for g in sampled for s in g.samples]
+        blocked = sum(self.blocked) / len(self.blocked)
+        blocked_mark, self.idle_mark = self.idle_mark, blocked
+        return kept, {
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "groups_kept": len(kept), "groups_dropped": dropped, "groups_dropped_stale": stale,
+            "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
+            "buffer_depth": float(self.buffer.qsize()), "trainer_idle_seconds": waited,
+            "engine_idle_seconds": blocked - blocked_mark,
+            "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "rollout_seconds": waited}
+
+    def _get(self) -> Group:
+        while True:
+            if self.error is not None:
+                raise MilesError(f"rollout worker failed: {type(self.error).__name__}: {self.error}")
+            try:
+                return self.buffer.get(timeout=0.1)
+            except queue.Empty:
+                continue
+
+
+def importance_weights(batch: Any, cap: float) -> Any:
+    """Per-token truncated importance weights min(pi_old / pi_rollout, cap) for stale samples:
+    ``old_logprobs`` are the trainer's current (pre-update) log-probs."""
+    import torch
+
+    return torch.exp(batch.old_logprobs - batch.rollout_logprobs).clamp(max=cap) * batch.loss_mask
