@@ -17,3 +17,8 @@ class ConfigError(MilesError):
 
 class PluginError(MilesError):
     """A plugin failed to load or raised inside a hook; the message names the plugin."""
+
+
+class EngineRestarted(MilesError):
+    """An engine came back (after a crash) without the current weights. Raised by an engine client
+    from ``generate``; the loop re-syncs weights and redoes the rollout it interrupted."""

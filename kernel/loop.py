@@ -21,7 +21,7 @@ import yaml
 from . import builtin, checkpoint, streaming
 from .builtin import encode_prompts, single_turn
 from .config import Config
-from .errors import MilesError
+from .errors import EngineRestarted, MilesError
 from .plugins import MilesPluginManager, call_all, call_first
 from .types import Batch, Group, Sample, SamplingParams, Task
 
@@ -271,10 +271,10 @@ class Loop:
             m.update(self._after_update(t0), reward_mean=sum(s.reward for s in samples) / n)
             return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
         params = replace(self.params, seed=rng.randrange(2**31))
-        if self.streamer is not None or not self.main:  # async: groups come from the buffer
-            kept, m = self.share(self.streamer.take() if self.main else None)
+        if self.streamer is not None:  # async: groups come from the buffer
+            kept, m = self.gather(self.streamer.take)
         else:
-            kept, m = self.collect(rng, params)
+            kept, m = self.gather(lambda: self.collect(rng, params))
         t_roll = time.perf_counter()
         if kept:  # a step whose groups were all dropped is logged without an update
             advs = [a for per_group in algo.advantages(kept) for a in per_group]
@@ -282,6 +282,24 @@ class Loop:
             m.update(self._after_update(t_roll))
         m.update(weight_version=self.version, step_seconds=time.perf_counter() - t0)
         return m
+
+    def gather(self, produce: Any) -> Any:
+        """Rank 0 runs ``produce()`` and shares its result with every rank. An engine that
+        restarted without the current weights makes every rank re-sync, then rank 0 retries."""
+        while True:
+            if not self.main:
+                kind, out = self.share(None)
+            else:
+                try:
+                    kind, out = self.share(("data", produce()))
+                except EngineRestarted as e:
+                    self.console(f"{e}: pushing weight version {self.version} again")
+                    kind, out = self.share(("resync", None))
+            if kind == "data":
+                return out
+            self.sync()
+            if self.streamer is not None:
+                self.streamer.resynced.set()
 
     def collect(self, rng: random.Random, params: SamplingParams) -> tuple[list[Group], dict[str, Any]]:
         """Roll out until ``rollout.batch_size`` groups pass the filters (bounded refill)."""

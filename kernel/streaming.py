@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .errors import MilesError
+from .errors import EngineRestarted, MilesError
 from .plugins import call_all
 from .types import Group
 
@@ -29,6 +29,9 @@ class Streamer:
         self.buffer: queue.Queue[Group] = queue.Queue(maxsize=r.buffer_groups or 2 * r.batch_size)
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        self.restarted: EngineRestarted | None = None  # set by a worker, cleared after a re-sync
+        self.resynced = threading.Event()
+        self.partial: tuple[list, list, dict[str, float]] = ([], [], {})  # take() state across retries
         self.blocked = [0.0] * r.async_workers  # seconds each worker waited for buffer space
         self.idle_mark = 0.0
         chunk = max(1, -(-r.batch_size // r.async_workers))
@@ -54,7 +57,14 @@ class Streamer:
             while not self.stop.is_set():
                 tasks = rng.sample(loop.train_tasks, min(chunk, len(loop.train_tasks)))
                 params = replace(loop.params, seed=rng.randrange(2**31))
-                for g in loop.rollout(tasks, loop.cfg.rollout.n, params):
+                try:
+                    groups = loop.rollout(tasks, loop.cfg.rollout.n, params)
+                except EngineRestarted as e:  # wait for the trainer to push weights, then redo the chunk
+                    self.restarted = e
+                    while not self.resynced.wait(0.1) and not self.stop.is_set():
+                        pass
+                    continue
+                for g in groups:
                     self._put(worker, g)
         except BaseException as e:  # surfaced to the trainer by take()
             self.error = e
@@ -72,21 +82,26 @@ class Streamer:
     def take(self) -> tuple[list[Group], dict[str, float]]:
         """The next ``rollout.batch_size`` groups that pass the filters and the staleness bound."""
         loop, r = self.loop, self.loop.cfg.rollout
-        kept, sampled, dropped, stale, lags, waited = [], [], 0, 0, [], 0.0
+        kept, sampled, c = self.partial
+        c.setdefault("dropped", 0), c.setdefault("stale", 0), c.setdefault("waited", 0.0)
+        lags = c.setdefault("lags", [])
+        self.partial = (kept, sampled, c)  # an EngineRestarted below keeps what was taken so far
         while len(kept) < r.batch_size:
             t0 = time.perf_counter()
             g = self._get()
-            waited += time.perf_counter() - t0
+            c["waited"] += time.perf_counter() - t0
             sampled.append(g)
             lag = loop.version - min(s.weight_version for s in g.samples)
             if lag > r.max_staleness and r.stale_policy == "drop":
-                stale += 1
+                c["stale"] += 1
                 continue
             if loop.p.algorithm.keep(g) and False not in call_all(loop.pm, "miles_filter", group=g):
                 kept.append(g)
                 lags.append(lag)
             else:
-                dropped += 1
+                c["dropped"] += 1
+        self.partial = ([], [], {})
+        dropped, stale, waited = c["dropped"], c["stale"], c["waited"]
         samples = [s for g in sampled for s in g.samples]
         blocked = sum(self.blocked) / len(self.blocked)
         blocked_mark, self.idle_mark = self.idle_mark, blocked
@@ -101,6 +116,10 @@ class Streamer:
 
     def _get(self) -> Group:
         while True:
+            if self.restarted is not None:
+                e, self.restarted = self.restarted, None
+                self.resynced.clear()
+                raise e
             if self.error is not None:
                 raise MilesError(f"rollout worker failed: {type(self.error).__name__}: {self.error}")
             try:

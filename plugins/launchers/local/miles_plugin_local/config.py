@@ -18,6 +18,9 @@ class LocalLauncherConfig(BaseModel):
     engine_devices: list[int] | None = Field(None, description="CUDA device of each engine (null = CPU)")
     host: str = Field("127.0.0.1", description="address the engine workers bind")
     engine_threads: int | None = Field(None, gt=0, description="torch CPU threads per engine worker")
+    max_engine_restarts: int = Field(3, ge=0, description="times a dead engine worker is restarted "
+                                     "(it gets the current weights and its requests are retried) "
+                                     "before the run ends with an error")
     startup_timeout_s: float = Field(300.0, gt=0, description="time an engine may take to become healthy")
     shutdown_grace_s: float = Field(60.0, gt=0, description="time trainers get to checkpoint and exit "
                                     "after Ctrl-C/SIGTERM before they are killed")

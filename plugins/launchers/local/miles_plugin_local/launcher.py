@@ -31,7 +31,7 @@ class LocalLauncher:
         run_dir = Path(config.run.out_dir)
         launch_dir = run_dir / "launch"
         launch_dir.mkdir(parents=True, exist_ok=True)
-        sup = Supervisor(run_dir / "logs")
+        sup = Supervisor(run_dir / "logs", self.cfg.max_engine_restarts)
         previous = {s: signal.signal(s, lambda signum, _f: setattr(sup, "stop_signal", signum))
                     for s in (signal.SIGINT, signal.SIGTERM)}
         try:

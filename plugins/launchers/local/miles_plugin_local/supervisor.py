@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ class Child:
     proc: subprocess.Popen
     log: Path | None
     role: str  # "trainer" | "engine"
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
     done: bool = False
     handle: IO | None = field(default=None, repr=False)
 
@@ -44,8 +48,9 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, max_restarts: int = 0):
         self.log_dir = log_dir
+        self.max_restarts = max_restarts  # per engine; trainers are never restarted (resume instead)
         self.children: list[Child] = []
         self.stop_signal: int | None = None
 
@@ -56,11 +61,16 @@ class Supervisor:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             path = self.log_dir / log
             handle = open(path, "ab")  # noqa: SIM115 (closed in stop_all)
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=handle, stderr=handle,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        child = Child(name, proc, path, role, handle=handle)
+        child = Child(name, _spawn(argv, env, handle), path, role, argv, env, handle=handle)
         self.children.append(child)
         return child
+
+    def restart(self, c: Child, rc: int) -> None:
+        c.restarts += 1
+        print(f"miles: {c.describe(rc).split('; its log')[0]}; restarting it "
+              f"({c.restarts}/{self.max_restarts})", file=sys.stderr, flush=True)
+        _signal_group(c.proc, signal.SIGKILL)  # anything it left behind
+        c.proc = _spawn(c.argv, c.env, c.handle)
 
     def failure(self) -> str | None:
         """A message for the first child that failed (an engine that exits at all has failed)."""
@@ -71,6 +81,11 @@ class Supervisor:
             if c.role == "trainer" and rc == 0:
                 c.done = True
                 continue
+            if c.role == "engine" and c.restarts < self.max_restarts:
+                self.restart(c, rc)
+                continue
+            if c.role == "engine" and c.restarts:
+                return f"{c.describe(rc)}; it failed {c.restarts + 1} times (launcher.max_engine_restarts)"
             return c.describe(rc)
         return None
 
@@ -125,6 +140,11 @@ class Supervisor:
                 c.proc.wait()
             if c.handle is not None:
                 c.handle.close()
+
+
+def _spawn(argv: list[str], env: dict[str, str], handle: IO | None) -> subprocess.Popen:
+    return subprocess.Popen(argv, env={**os.environ, **env}, stdout=handle, stderr=handle,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
