@@ -8,6 +8,7 @@ import torch
 from miles import Completion, SamplingParams
 
 from .config import TorchEngineConfig
+from .weights import WeightReceiver
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,7 +72,7 @@ def _sample(logits: torch.Tensor, params: SamplingParams,
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class TorchEngine:
+class TorchEngine(WeightReceiver):
     """Rollout engine running the spec's model in this process (CPU or one GPU)."""
 
     def __init__(self, cfg: TorchEngineConfig, *, spec: Any, tokenizer: Any, seed: int = 0, **_: Any):

@@ -16,5 +16,7 @@ class DiskSyncConfig(BaseModel):
                                            "the older version folder that holds them")
     keep: int = Field(2, ge=1, description="version folders kept on disk; folders the newest "
                                            "manifest still references are never deleted")
-    verify: bool = Field(False, description="engines recompute each loaded tensor's checksum and "
-                                            "fail the run on a mismatch with the manifest")
+    verify: bool = Field(False, description="after each sync, compare every engine tensor's checksum "
+                                            "with the manifest's (the trainer's); an in-process engine "
+                                            "also checks each tensor as it reads it. Fails the run "
+                                            "naming the first tensor that differs")

@@ -13,46 +13,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from typing import Any, Iterable
 
 from miles.checkpoint import fsync_path, write_atomic  # noqa: F401 (used by writer)
-
-LATEST = "LATEST"
-MANIFEST = "manifest.json"
-_FOLDER = re.compile(r"^v(\d{8})(?:\.r(\d+))?$")
+# the reading side of the format is shared with engines through the kernel (one copy)
+from miles.weights import LATEST, MANIFEST, committed, latest  # noqa: F401
+from miles.weights import parse_folder as parse
 
 
 def folder_name(version: int, rev: int = 0) -> str:
     return f"v{version:08d}" + (f".r{rev}" if rev else "")
 
 
-def parse(name: str) -> tuple[int, int] | None:
-    """(version, rev) of a committed folder name, else None."""
-    m = _FOLDER.match(name)
-    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
-
-
-def committed(root: str) -> list[tuple[int, int, str]]:
-    """Committed version folders as (version, rev, name), oldest first."""
-    found = [(*p, n) for n in os.listdir(root) if (p := parse(n)) and os.path.isdir(os.path.join(root, n))]
-    return sorted(found)
-
-
 def new_folder(root: str, version: int) -> str:
     revs = [r for v, r, _ in committed(root) if v == version]
     return folder_name(version, max(revs) + 1 if revs else 0)
-
-
-def latest(root: str) -> str | None:
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            return f.read().strip() or None
-    except FileNotFoundError:
-        return None
-
-
 
 
 def write_manifest(folder_path: str, manifest: dict[str, Any]) -> None:

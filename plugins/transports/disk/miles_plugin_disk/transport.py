@@ -6,8 +6,10 @@ import tempfile
 import time
 from typing import Any, Sequence
 
+from miles import weights as W
+
 from .config import DiskSyncConfig
-from .reader import load_version
+from .reader import load_version, read_manifest
 from .writer import write_version
 
 
@@ -28,15 +30,31 @@ class DiskTransport:
 
     def sync(self, trainer: Any, engines: Sequence[Any], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        stats = write_version(self.dir, trainer.named_weights(), version, shard_mb=self.cfg.shard_mb,
+        named = trainer.named_weights()
+        if not W.is_sender(trainer):
+            for _ in named:  # a collective: every trainer rank iterates it, rank 0 writes
+                pass
+            return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": 0.0}
+        stats = write_version(self.dir, named, version, shard_mb=self.cfg.shard_mb,
                               delta=self.cfg.delta, keep=self.cfg.keep)
         t1 = time.perf_counter()
+        # each engine reads the newest manifest on its own; engine processes are asked at once
+        remote = [e for e in engines if W.is_remote(e)]
+        loads = [lambda e=e: e.update_weights_from_disk(model_path=self.dir, weight_version=version)
+                 for e in remote]
+        calls = W.Calls(loads) if loads else None
         for engine in engines:
-            # each engine reads the newest manifest on its own, as a remote engine would
-            engine.load_weights(load_version(self.dir, verify=self.cfg.verify), version)
+            if not W.is_remote(engine):
+                engine.load_weights(load_version(self.dir, verify=self.cfg.verify), version)
+        if calls is not None:
+            calls.join()
         t2 = time.perf_counter()
+        if self.cfg.verify:
+            # the manifest holds the trainer's checksums, computed while writing
+            tensors = read_manifest(self.dir, version)["tensors"]
+            W.verify(engines, {n: e["blake2b"] for n, e in tensors.items()}, version)
         total = stats.total_bytes
-        return {"weight_sync_seconds": t2 - t0, "weight_sync_write_seconds": t1 - t0,
-                "weight_sync_bytes": float(stats.bytes_written),
+        return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_write_seconds": t1 - t0,
+                "weight_sync_load_seconds": t2 - t1, "weight_sync_bytes": float(stats.bytes_written),
                 "weight_sync_tensors_written": float(stats.tensors_written),
                 "weight_sync_delta_fraction": stats.bytes_written / total if total else 0.0}

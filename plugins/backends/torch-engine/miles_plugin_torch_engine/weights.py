@@ -1,0 +1,276 @@
+"""Receiving side of weight sync: SGLang's weight-update methods on the torch engine.
+
+Mixed into ``TorchEngine``; ``miles serve`` exposes these methods under SGLang's endpoint names,
+so one transport drives an in-process engine, a ``miles serve`` process or an SGLang server alike.
+Byte layouts, checksums and the disk format come from ``miles.weights`` (shared with the
+transports); this module never imports a transport plugin.
+
+Formats of ``update_weights_from_tensor`` (trainer and engine on one host):
+
+* ``{"format": "miles-shm/1", "segment": NAME, "size": BYTES, "adopt": bool, "tensors":
+  [{"name", "dtype", "shape", "offset"}, ...]}``: the bucket's bytes sit in the POSIX shared
+  memory segment ``NAME``. With ``adopt`` the engine's CPU parameters of the same dtype become
+  views of the segment (no copy at all; the trainer writes the next version into a second
+  segment, so these views stay valid until the version after); otherwise bytes are copied in.
+* ``{"format": "miles-cuda-ipc/1", "tensors": [{"name", "handle"}, ...]}``: ``handle`` is a
+  base64 pickle of ``torch.multiprocessing.reductions.reduce_tensor(t)``; each tensor is copied
+  from the trainer's GPU memory straight into the parameter. Unpickling is restricted to the
+  classes that payload contains.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pickle
+import re
+from typing import Any, Iterable, Sequence
+
+import torch
+from miles import MilesError
+from miles import weights as W
+
+SHM_FORMAT, CUDA_IPC_FORMAT = W.SHM_FORMAT, W.CUDA_IPC_FORMAT
+GROUP_TIMEOUT_S = 600.0
+_SEGMENT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+
+
+class _State:
+    def __init__(self):
+        self.groups: dict[str, tuple[Any, Any, str]] = {}  # name -> (group, store, backend)
+        self.segments: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (mapping, last epoch)
+        self.adopted: set[int] = set()  # ids of tensors whose storage is a trainer's segment
+        self.recv: torch.Tensor | None = None  # reused receive buffer of packed broadcasts
+        self.epoch = 0  # bumped whenever a tensor payload brings a new weight version
+        self.last_version: Any = None
+
+
+class WeightReceiver:
+    """SGLang's weight-update API over ``self._targets`` (name -> parameter or buffer)."""
+
+    remote = False  # in process: transports may hand tensors over by reference (load_weights)
+
+    @property
+    def _ws(self) -> _State:
+        st = self.__dict__.get("_ws_state")
+        if st is None:
+            st = self.__dict__["_ws_state"] = _State()
+        return st
+
+    def _target(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        dst = self._targets.get(name)
+        if dst is None:
+            raise MilesError(f"torch engine: the model has no parameter or buffer named {name!r}")
+        if tuple(dst.shape) != tuple(int(d) for d in shape):
+            raise MilesError(f"torch engine: {name!r} has shape {tuple(dst.shape)}, got {tuple(shape)}")
+        return dst
+
+    @torch.no_grad()
+    def _assign(self, name: str, src: torch.Tensor, adopt: bool = False) -> None:
+        dst = self._target(name, src.shape)
+        ws = self._ws
+        if adopt and src.dtype == dst.dtype and src.device == dst.device:
+            dst.data = src  # tied names share one Parameter, so both follow
+            ws.adopted.add(id(dst))
+            return
+        if id(dst) in ws.adopted:
+            # its storage is a trainer segment other engines may map too: never write into it
+            dst.data = torch.empty_like(dst)
+            ws.adopted.discard(id(dst))
+        dst.copy_(src)
+
+    def _set_version(self, weight_version: Any) -> None:
+        if weight_version is not None:
+            self.weight_version = int(weight_version)
+
+    # -- disk ------------------------------------------------------------------------------------
+    def update_weights_from_disk(self, model_path: str, weight_version: Any = None,
+                                 load_format: str | None = None) -> None:
+        """Load a version written by the ``disk`` transport (``model_path`` holds its LATEST and
+        version folders): ``weight_version``'s newest revision, or the newest version."""
+        if load_format not in (None, "auto", "safetensors"):
+            raise MilesError(f"torch engine: update_weights_from_disk cannot read load_format {load_format!r}")
+        version = int(weight_version) if weight_version is not None else None
+        for name, t in W.load_version(model_path, version):
+            self._assign(name, t)
+        self._set_version(version if version is not None else W.read_manifest(model_path)["version"])
+
+    # -- checksums -------------------------------------------------------------------------------
+    def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """blake2b-128 of each named tensor's bytes (all parameters and buffers when ``None``)."""
+        names = list(self._targets) if names is None else list(names)
+        missing = [n for n in names if n not in self._targets]
+        if missing:
+            raise MilesError(f"torch engine: no parameter or buffer named {missing[0]!r}")
+        return {n: W.checksum(self._targets[n]) for n in names}
+
+    # -- torch.distributed broadcast --------------------------------------------------------------
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str = "gloo") -> None:
+        """Join group ``group_name`` as rank ``rank_offset`` (the trainer is rank 0); blocks until
+        every rank has joined. A group of the same name is replaced."""
+        if backend == "nccl" and self.device.type != "cuda":
+            raise MilesError("torch engine: backend 'nccl' needs engine.device=cuda (use 'gloo')")
+        self.destroy_weights_update_group(group_name, missing_ok=True)
+        store = W.open_store(master_address, master_port, world_size, is_master=False,
+                             timeout_s=GROUP_TIMEOUT_S)
+        group = W.new_group(store, rank_offset, world_size, group_name, backend, GROUP_TIMEOUT_S)
+        self._ws.groups[group_name] = (group, store, backend)
+
+    def destroy_weights_update_group(self, group_name: str, missing_ok: bool = False) -> None:
+        entry = self._ws.groups.pop(group_name, None)
+        if entry is None:
+            if missing_ok:
+                return
+            raise MilesError(f"torch engine: no weights update group named {group_name!r}")
+        if hasattr(entry[0], "shutdown"):
+            entry[0].shutdown()
+
+    @torch.no_grad()
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: str,
+                                        weight_version: Any = None, flush_cache: bool = True,
+                                        load_format: str | None = None, pack_below: int = 0) -> None:
+        """Receive one bucket broadcast by rank 0 of ``group_name``.
+
+        Wire format (``miles.weights.wire_plan``): tensors under ``pack_below`` bytes arrive
+        first, packed in one uint8 buffer; every other tensor follows in its own broadcast, in
+        order, straight into its parameter when dtype, shape and device allow. ``pack_below=0``
+        is SGLang's format (one broadcast per tensor). Every broadcast is received before any
+        error is raised, so a bad name never leaves the trainer waiting.
+        """
+        if group_name not in self._ws.groups:
+            raise MilesError(f"torch engine: no weights update group named {group_name!r}; "
+                             "call init_weights_update_group first")
+        group, _, backend = self._ws.groups[group_name]
+        dev = self.device if backend == "nccl" else torch.device("cpu")
+        plan = W.wire_plan(dtypes, shapes, int(pack_below))
+        errors: list[Exception] = []
+        if plan.packed:
+            buf = self._recv_buffer(plan.packed_bytes, dev)
+            W.broadcast(group, buf)
+            got = W.views(buf, [dtypes[i] for i in plan.packed], [shapes[i] for i in plan.packed],
+                          plan.offsets)
+            for i, t in zip(plan.packed, got):
+                self._try(errors, self._assign, names[i], t)
+        for i in plan.direct:
+            dtype, shape = W.to_dtype(dtypes[i]), tuple(int(d) for d in shapes[i])
+            dst = self._targets.get(names[i])
+            if (dst is not None and dst.dtype == dtype and tuple(dst.shape) == shape and dst.device == dev
+                    and dst.is_contiguous() and id(dst) not in self._ws.adopted):
+                W.broadcast(group, dst)  # received in place: no copy
+                continue
+            tmp = torch.empty(shape, dtype=dtype, device=dev)
+            W.broadcast(group, tmp)
+            self._try(errors, self._assign, names[i], tmp)
+        if errors:
+            raise errors[0]
+        self._set_version(weight_version)
+
+    def _recv_buffer(self, size: int, device: torch.device) -> torch.Tensor:
+        buf = self._ws.recv
+        if buf is None or buf.numel() < size or buf.device != device:
+            buf = self._ws.recv = torch.empty(size, dtype=torch.uint8, device=device)
+        return buf[:size]
+
+    @staticmethod
+    def _try(errors: list, fn, *args) -> None:
+        try:
+            fn(*args)
+        except MilesError as e:
+            errors.append(e)
+
+    # -- colocated hand-off ------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights_from_tensor(self, serialized_named_tensors: Any, load_format: str | None = None,
+                                   weight_version: Any = None, flush_cache: bool = True) -> None:
+        """Load one bucket described by ``serialized_named_tensors`` (see the module docstring;
+        a JSON string, a dict, or SGLang's one-entry-per-TP-rank list of either)."""
+        desc = serialized_named_tensors
+        if isinstance(desc, (list, tuple)):
+            if len(desc) != 1:
+                raise MilesError(f"torch engine: got {len(desc)} tensor payloads, one per TP rank; "
+                                 "this engine has a single rank")
+            desc = desc[0]
+        if isinstance(desc, (str, bytes)):
+            desc = json.loads(desc)
+        fmt = desc.get("format") if isinstance(desc, dict) else None
+        if fmt == SHM_FORMAT:
+            self._from_segment(desc, weight_version)
+        elif fmt == CUDA_IPC_FORMAT:
+            for entry in desc["tensors"]:
+                self._assign(entry["name"], _rebuild_cuda(entry["handle"]))
+        else:
+            raise MilesError(f"torch engine: unknown tensor payload format {fmt!r} "
+                             f"(expected {SHM_FORMAT!r} or {CUDA_IPC_FORMAT!r})")
+        self._set_version(weight_version)
+
+    def _from_segment(self, desc: dict, weight_version: Any) -> None:
+        ws = self._ws
+        if weight_version is None or weight_version != ws.last_version:
+            ws.epoch += 1
+            ws.last_version = weight_version
+        buf = self._segment(desc["segment"], int(desc["size"]))
+        entries = desc["tensors"]
+        got = W.views(buf, [e["dtype"] for e in entries], [e["shape"] for e in entries],
+                      [int(e["offset"]) for e in entries])
+        adopt = bool(desc.get("adopt")) and self.device.type == "cpu"
+        for e, t in zip(entries, got):
+            self._assign(e["name"], t, adopt=adopt)
+
+    def _segment(self, name: str, size: int) -> torch.Tensor:
+        """The trainer's segment, mapped once and kept: a fresh mapping costs a page fault per
+        page. The trainer alternates two segments per bucket, so a mapping unused for three
+        versions is dropped (adopted parameters keep their own mapping alive regardless)."""
+        ws = self._ws
+        if not _SEGMENT_NAME.match(name):
+            raise MilesError(f"torch engine: invalid shared memory segment name {name!r}")
+        have = ws.segments.get(name)
+        if have is None or have[0].numel() < size:
+            have = (_map_segment(name, size), ws.epoch)
+        ws.segments[name] = (have[0], ws.epoch)
+        for old in [n for n, (_, used) in ws.segments.items() if used < ws.epoch - 2]:
+            del ws.segments[old]
+        return have[0][:size]
+
+
+def _map_segment(name: str, size: int) -> torch.Tensor:
+    """A uint8 tensor over POSIX shared memory segment ``name`` (mapped shared, not copied)."""
+    path = os.path.join("/dev/shm", name)
+    if os.path.exists(path):
+        # torch owns the mapping: no resource tracker that would unlink the trainer's segment
+        # at our exit, and no exported-buffer errors while parameters still view it
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    from multiprocessing import resource_tracker, shared_memory
+
+    try:
+        shm = shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
+    except TypeError:
+        shm = shared_memory.SharedMemory(name=name)
+        resource_tracker.unregister(shm._name, "shared_memory")  # the trainer owns it
+    except FileNotFoundError as e:
+        raise MilesError(f"torch engine: no shared memory segment {name!r} on this host (the "
+                         "tensor transport needs the engine on the trainer's machine)") from e
+    t = torch.frombuffer(shm.buf, dtype=torch.uint8, count=size)
+    t._miles_shm = shm  # keep the mapping open as long as the tensor lives
+    return t
+
+
+class _CudaUnpickler(pickle.Unpickler):
+    """Only what ``reduce_tensor`` of a CUDA tensor pickles: its rebuild function, torch classes
+    and dtypes. Anything else in a payload is refused rather than imported."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return super().find_class(module, name)
+        if module in ("torch", "torch.storage", "torch.nn.parameter") and (
+                name in {"Tensor", "UntypedStorage", "TypedStorage", "Parameter", "device", "Size"}
+                or isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise MilesError(f"torch engine: refusing {module}.{name} in a CUDA IPC payload")
+
+
+def _rebuild_cuda(handle: str) -> torch.Tensor:
+    fn, args = _CudaUnpickler(io.BytesIO(base64.b64decode(handle))).load()
+    return fn(*args)

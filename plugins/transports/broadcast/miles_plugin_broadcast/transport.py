@@ -1,0 +1,134 @@
+"""Weight sync by torch.distributed broadcast from trainer rank 0 (group rank 0) to engines
+(group ranks 1..N), through a group of their own: the trainer's default group, if any, is
+never involved, so a multi-rank trainer and one-process engines join it alike.
+
+Per bucket, the engines are told what is coming (``update_weights_from_distributed``, one
+thread per engine: the call returns once the bytes are in) while this thread broadcasts them,
+following ``miles.weights.wire_plan``: small tensors packed into one uint8 buffer, large ones
+each on its own, straight from the trainer's tensor.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Sequence
+
+from miles import MilesError
+from miles import weights as W
+
+from .config import BroadcastSyncConfig
+
+# packed-vs-direct threshold when pack_mb is None: a direct gloo broadcast costs ~0.1 ms of
+# latency, an NCCL one ~20 us but packing runs at device-copy speed (see benchmarks/weight_sync.py)
+AUTO_PACK_BYTES = {"gloo": 1 << 20, "nccl": 16 << 20}
+
+
+class BroadcastTransport:
+    def __init__(self, cfg: BroadcastSyncConfig):
+        self.cfg = cfg
+        self._group = self._store = self._name = self._backend = None
+        self._engines: list[Any] = []
+        self._send_buf = None
+        self._broken = False
+
+    def sync(self, trainer: Any, engines: Sequence[Any], version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        named = trainer.named_weights()
+        if not W.is_sender(trainer) or not engines:
+            for _ in named:  # a collective: every trainer rank iterates it
+                pass
+            return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": 0.0}
+        want: dict[str, str] = {}
+        nbytes, connect = 0, 0.0
+        try:
+            for bucket in W.buckets(named, self.cfg.bucket_mb << 20):
+                if (self._group is None or self._broken
+                        or [id(e) for e in engines] != [id(e) for e in self._engines]):
+                    c0 = time.perf_counter()
+                    self._connect(engines, bucket[0][1])
+                    connect += time.perf_counter() - c0
+                if self.cfg.verify:
+                    want.update((n, W.checksum(t)) for n, t in bucket)
+                self._send(bucket, version)
+                nbytes += sum(W.nbytes(t) for _, t in bucket)
+        except BaseException:
+            self._broken = True  # its state is unknown after a failed broadcast: start afresh
+            raise
+        if self.cfg.verify:
+            W.verify(engines, want, version)
+        return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(nbytes),
+                "weight_sync_connect_seconds": connect}
+
+    def _connect(self, engines: Sequence[Any], first: Any) -> None:
+        """A new group: this process is rank 0 and hosts the store, engine i joins as 1 + i."""
+        self.close()
+        cfg = self.cfg
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if first.is_cuda else "gloo")
+        world = 1 + len(engines)
+        store = W.open_store(cfg.master_address, cfg.master_port, world, is_master=True,
+                             timeout_s=cfg.timeout_s)
+        name = f"miles-broadcast-{secrets.token_hex(4)}"
+        joins = [lambda e=e, i=i: e.init_weights_update_group(
+            master_address=cfg.master_address, master_port=store.port, rank_offset=1 + i,
+            world_size=world, group_name=name, backend=backend) for i, e in enumerate(engines)]
+        # our own join runs on a thread too, so an engine that fails at once fails the sync at
+        # once instead of after the rendezvous timeout
+        group = W.Calls([lambda: W.new_group(store, 0, world, name, backend, cfg.timeout_s), *joins])
+        self._group = group.join(cfg.timeout_s)[0]
+        self._store, self._name, self._backend, self._engines = store, name, backend, list(engines)
+        self._broken = False
+
+    def _send(self, bucket: list, version: int) -> None:
+        names = [n for n, _ in bucket]
+        tensors = [t.detach() for _, t in bucket]
+        if self._backend == "gloo":
+            tensors = [t.cpu() for t in tensors]
+        dtypes = [W.dtype_name(t.dtype) for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+        pack_below = self._pack_below()
+        plan = W.wire_plan(dtypes, shapes, pack_below)
+        calls = W.Calls([lambda e=e: e.update_weights_from_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=self._name,
+            weight_version=version, pack_below=pack_below) for e in self._engines])
+        deadline = time.monotonic() + self.cfg.timeout_s
+
+        def check() -> None:
+            calls.check()
+            if time.monotonic() > deadline:
+                raise MilesError(f"weight sync: engines did not take part in a broadcast within "
+                                 f"{self.cfg.timeout_s:.0f} s (sync.timeout_s)")
+
+        if plan.packed:
+            buf = self._buffer(plan.packed_bytes, tensors[0].device)
+            W.pack([tensors[i] for i in plan.packed], plan.offsets, buf)
+            W.broadcast(self._group, buf, check=check)
+        for i in plan.direct:
+            W.broadcast(self._group, tensors[i].contiguous(), check=check)
+        calls.join(max(1.0, deadline - time.monotonic()))
+
+    def _pack_below(self) -> int:
+        if self.cfg.pack_mb is None:
+            return AUTO_PACK_BYTES[self._backend]
+        return int(self.cfg.pack_mb * (1 << 20))
+
+    def _buffer(self, size: int, device: Any) -> Any:
+        import torch
+
+        buf = self._send_buf
+        if buf is None or buf.numel() < size or buf.device != device:
+            buf = self._send_buf = torch.empty(size, dtype=torch.uint8, device=device)
+        return buf[:size]
+
+    def close(self) -> None:
+        """Leave the group: engines destroy their side (errors ignored: they may be gone)."""
+        if self._group is None:
+            return
+        name, engines, group = self._name, self._engines, self._group
+        self._group, self._engines = None, []
+        try:
+            W.parallel([lambda e=e: e.destroy_weights_update_group(group_name=name) for e in engines],
+                       timeout_s=30)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        if hasattr(group, "shutdown"):
+            group.shutdown()

@@ -1,0 +1,103 @@
+"""Payloads of ``engine.update_weights_from_tensor`` for an engine process on the trainer's host.
+
+CPU tensors: a bucket's bytes are copied into a POSIX shared memory segment the trainer keeps
+(a fresh segment costs a page fault per page, so segments are reused), and the engine gets a
+small JSON descriptor: segment name, per tensor its name, dtype, shape and byte offset. With
+``adopt`` the trainer alternates two segments per bucket: the engine's parameters become views of
+the segment written for version v, so version v+1 goes to the other one. CUDA tensors: one CUDA
+IPC handle per tensor (``reduce_tensor``), so the engine copies straight from the trainer's GPU
+memory. Formats are documented in the torch engine's ``weights`` module (the receiving side).
+"""
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import secrets
+import weakref
+from typing import Any, Sequence
+
+import torch
+from miles import weights as W
+
+SHM_FORMAT, CUDA_IPC_FORMAT = W.SHM_FORMAT, W.CUDA_IPC_FORMAT
+
+
+class SegmentPool:
+    """Shared memory segments owned by the trainer, keyed by (bucket, parity); unlinked when
+    the pool is closed or garbage collected (and by Python's resource tracker after a crash)."""
+
+    def __init__(self):
+        self.prefix = f"miles_{os.getpid()}_{secrets.token_hex(4)}"
+        self.segments: dict[Any, tuple[Any, torch.Tensor]] = {}
+        self.created = 0
+        self._finalizer = weakref.finalize(self, _close_all, self.segments)
+
+    def get(self, key: Any, size: int) -> tuple[str, torch.Tensor]:
+        """(segment name, uint8 tensor of ``size`` bytes over it)."""
+        from multiprocessing import shared_memory
+
+        have = self.segments.get(key)
+        if have is None or have[1].numel() < size:
+            if have is not None:
+                _close(self.segments.pop(key))
+            self.created += 1
+            shm = shared_memory.SharedMemory(create=True, size=max(size, 1),
+                                             name=f"{self.prefix}_{self.created}")
+            have = self.segments[key] = (shm, torch.frombuffer(shm.buf, dtype=torch.uint8))
+        return have[0].name, have[1][:size]
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close(entry: tuple[Any, torch.Tensor]) -> None:
+    shm, buf = entry
+    del buf  # the tensor holds an export of the mapping; close() needs it released
+    try:
+        shm.close()
+    except BufferError:  # a view still alive somewhere: the mapping goes with the process
+        pass
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _close_all(segments: dict) -> None:
+    while segments:
+        _close(segments.popitem()[1])
+
+
+def shm_payload(pool: SegmentPool, key: Any, bucket: Sequence[tuple[str, torch.Tensor]],
+                adopt: bool) -> dict:
+    """Copy ``bucket`` into the pool's segment ``key``; the descriptor the engine reads it by.
+
+    Tensors sharing memory (tied embeddings) are stored once and point at the same offset.
+    """
+    entries, first, slots, end = [], {}, [], 0
+    for name, t in bucket:
+        ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.data_ptr() else None
+        off = first.get(ident) if ident is not None else None
+        if off is None:
+            off, end = end, W.align(end + W.nbytes(t))
+            slots.append((t, off))
+            if ident is not None:
+                first[ident] = off
+        entries.append({"name": name, "dtype": W.dtype_name(t.dtype), "shape": list(t.shape), "offset": off})
+    segment, buf = pool.get(key, end)
+    W.pack([t for t, _ in slots], [o for _, o in slots], buf)
+    return {"format": SHM_FORMAT, "segment": segment, "size": end, "adopt": adopt, "tensors": entries}
+
+
+def cuda_payload(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[dict, list[torch.Tensor]]:
+    """The descriptor and the tensors it points into (keep them alive until the engine is done)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    keep, entries = [], []
+    for name, t in bucket:
+        t = t.detach().contiguous()
+        keep.append(t)
+        handle = base64.b64encode(pickle.dumps(reduce_tensor(t))).decode("ascii")
+        entries.append({"name": name, "handle": handle})
+    return {"format": CUDA_IPC_FORMAT, "tensors": entries}, keep
