@@ -216,8 +216,8 @@ def test_config_validation():
         GRPOConfig(clip_low=1.0)
     with pytest.raises(ValidationError, match="dual_clip_c must be > 1"):
         GRPOConfig(dual_clip_c=1.0)
-    with pytest.raises(ValidationError, match="entropy_coef"):
-        GRPOConfig(entropy_coef=0.01)  # extra="forbid"
+    with pytest.raises(ValidationError, match="entropy_bonus"):
+        GRPOConfig(entropy_bonus=0.01)  # extra="forbid"
     with pytest.raises(ValidationError, match="std_normalize"):
         GRPOConfig(dr_grpo=True, std_normalize=True)
     with pytest.raises(ValidationError, match="loss_agg"):

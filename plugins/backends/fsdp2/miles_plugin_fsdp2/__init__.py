@@ -10,6 +10,10 @@ def miles_register_trainers(register):
 
 
 def _make(cfg, **context):
+    if getattr(context.get("algorithm"), "needs_critic", False):  # PPO: policy + value model
+        from .critic import CriticTrainer
+
+        return CriticTrainer(cfg, **context)
     from .trainer import FSDP2Trainer
 
     return FSDP2Trainer(cfg, **context)
