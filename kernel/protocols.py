@@ -77,6 +77,10 @@ class Trainer(Protocol):
     policy as the reference model; ``load_weights(named)``: set the policy's weights (HF names);
     ``named_weights()``: full weights in HF names (an iterator, so
     a sharded trainer can stream them); ``save(dir)``/``load(dir)``: full training state.
+    Optional, for an ``algorithm`` (factory context) with ``needs_critic``: ``values(batch)``:
+    no-grad ``[B, R]`` critic values (``V_t``: the state before response token ``t``);
+    ``train_critic(batch, value_loss_fn)``: one critic optimizer step on
+    ``value_loss_fn(batch, values) -> (loss, metrics)``, returns metrics.
     """
 
     def logprobs(self, batch: Batch, which: str = "policy") -> "torch.Tensor": ...
@@ -114,6 +118,11 @@ class Algorithm(Protocol):
     ``keep(group)``: the algorithm's own filter (e.g. drop zero-variance groups);
     ``advantages(groups)``: per group, per sample a float or a per-token list;
     ``loss(batch, logprobs)``: this micro-batch's share of the loss (see ``Batch.token_mean``).
+    Optional: ``prepare(batch) -> metrics``, called once per step on the whole batch after its
+    ref/old log-probs (and critic values) are filled, before any optimizer step (token-level
+    advantages: KL in the reward, GAE, batch whitening); ``needs_critic``: the loop puts
+    ``trainer.values(batch)`` in ``batch.extras["values"]`` and, after each policy step, calls
+    ``trainer.train_critic(minibatch, algorithm.value_loss)``.
     """
 
     uses_rollout: bool
