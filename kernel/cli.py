@@ -1,4 +1,4 @@
-"""``miles`` command line: train, eval, plugins."""
+"""``miles`` command line: train, eval, export, serve, plugins."""
 from __future__ import annotations
 
 import argparse
@@ -83,6 +83,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """A model folder behind SGLang's HTTP API, through the ``miles_serve`` hook (engine-agnostic)."""
+    from .config import apply_overrides
+    from .plugins import call_first, make_plugin_manager
+
+    if args.host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
+        raise MilesError(f"--host {args.host} exposes the server beyond this machine: pass "
+                         f"--api-key KEY (clients send 'Authorization: Bearer KEY'), or bind 127.0.0.1")
+    pm = make_plugin_manager(extra=args.plugin or [])
+    code = call_first(pm, "miles_serve", model_dir=args.model_dir, host=args.host, port=args.port,
+                      api_key=args.api_key, settings=apply_overrides({}, args.overrides))
+    if code is None:
+        raise MilesError("no installed plugin implements miles_serve; pip install miles-plugin-torch-engine")
+    return code
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from .plugins import KINDS, make_plugin_manager, plugin_table
 
@@ -124,6 +140,14 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--to", required=True, help="destination folder")
     sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
     sp.set_defaults(fn=cmd_export)
+    sp = sub.add_parser("serve", help="serve a Hugging Face model folder over SGLang's HTTP API")
+    sp.add_argument("model_dir", help="Hugging Face model folder (e.g. written by miles export)")
+    sp.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs --api-key)")
+    sp.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    sp.add_argument("overrides", nargs="*", help="engine settings as key=value (e.g. dtype=bfloat16)")
+    sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
+    sp.set_defaults(fn=cmd_serve)
     sp = sub.add_parser("plugins", help="list discovered plugins and components")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")

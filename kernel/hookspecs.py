@@ -78,6 +78,19 @@ def miles_on_step_end(step: int, metrics: dict[str, Any]) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def miles_serve(model_dir: str, host: str, port: int, api_key: str | None,
+                settings: dict[str, Any]) -> int | None:
+    """Serve the model in ``model_dir`` (a Hugging Face folder) over HTTP with SGLang's native API.
+
+    Called once by ``miles serve MODEL_DIR``; ``settings`` are its ``key=value`` arguments (YAML
+    values), for the serving plugin to validate. The implementation blocks until SIGTERM/SIGINT,
+    prints ``miles serve: listening on http://HOST:PORT`` once requests are accepted, and returns
+    the exit code. firstresult: ``None`` means "not mine"; the torch engine plugin is the
+    ``trylast`` default.
+    """
+
+
 # --- registration hooks --------------------------------------------------------------------------
 
 @hookspec

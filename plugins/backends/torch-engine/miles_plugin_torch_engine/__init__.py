@@ -14,3 +14,10 @@ def miles_register_engines(register):
     from .config import TorchEngineConfig
 
     register("torch", _make_engine, config=TorchEngineConfig)
+
+
+@hookimpl(trylast=True)
+def miles_serve(model_dir, host, port, api_key, settings):
+    from .server import serve
+
+    return serve(model_dir, host=host, port=port, api_key=api_key, settings=settings)

@@ -1,0 +1,269 @@
+"""The ``sglang`` engine: miles' Engine protocol over SGLang's native HTTP API.
+
+Payloads follow SGLang's ``python/sglang/srt/entrypoints/http_server.py`` (routes) and
+``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``, ``UpdateWeightFromDiskReqInput``,
+``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+``UpdateWeightsFromTensorReqInput``, ``DestroyWeightsUpdateGroupReqInput``); responses are read as
+Miles does (token ids and log-probs from ``meta_info.output_token_logprobs``). The ``sglang``
+package itself is never imported: it pins its own torch.
+
+The methods are synchronous (the loop and the transports call them from plain threads); the HTTP
+work runs on a private asyncio loop in a daemon thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+from miles import Completion, MilesError, SamplingParams
+
+from .config import SGLangEngineConfig
+from .router import Router, Server
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+
+
+class SGLangEngine:
+    """Client of one or more SGLang-compatible servers (``cfg.urls``)."""
+
+    remote = True  # transports must move weights through the update_weights_* methods
+
+    def __init__(self, cfg: SGLangEngineConfig, *, tokenizer: Any = None, seed: int = 0, **_: Any):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.sampling_params: SamplingParams | None = None
+        self.seed = seed
+        self.weight_version = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="miles-sglang", daemon=True)
+        self._thread.start()
+        api_key = cfg.api_key or os.environ.get(cfg.api_key_env) or None
+        self.router: Router = self._run(self._make_router(api_key))
+        self._health_task = None
+        self._weights_dir = cfg.weights_dir
+        try:
+            self._run(self._wait_ready())
+        except BaseException:
+            self.close()
+            raise
+        self._health_task = asyncio.run_coroutine_threadsafe(
+            self.router.health_loop(cfg.health_check_interval_s), self._loop)
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _make_router(self, api_key: str | None) -> Router:
+        c = self.cfg
+        return Router(c.urls, api_key=api_key, timeout_s=c.timeout_s, max_retries=c.max_retries,
+                      max_concurrency=c.max_concurrency)
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            ok = await self.router.probe_all()
+            if all(ok) or (any(ok) and time.monotonic() >= deadline):
+                break
+            if time.monotonic() >= deadline:
+                raise MilesError(f"no SGLang server answered within {self.cfg.startup_timeout_s:g} s "
+                                 f"(engine.startup_timeout_s): {self.router.describe()}")
+            await asyncio.sleep(0.5)
+        down = [s.url for s in self.router.servers if not s.healthy]
+        if down:
+            print(f"miles sglang: not answering, left out for now: {', '.join(down)}", file=sys.stderr)
+        versions = [_int_version(s.weight_version) for s in self.router.servers if s.healthy]
+        self.weight_version = max((v for v in versions if v is not None), default=0)
+
+    def close(self) -> None:
+        """Stop the health checks and close the HTTP connections (the servers keep running)."""
+        if not self._loop.is_running():
+            return
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if getattr(self, "router", None) is not None:
+            self._run(self.router.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 n: int = 1) -> list[list[Completion]]:
+        """``n`` completions per prompt. One ``/generate`` request per prompt carries
+        ``sampling_params.n = n``, so the group's samples go to one server together and share
+        the prompt's prefix there (SGLang's parallel sampling; the torch server's prefill)."""
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        return self._run(self._generate(prompts, params, n))
+
+    async def _generate(self, prompts, params: SamplingParams, n: int) -> list[list[Completion]]:
+        return list(await asyncio.gather(*(self._one(list(p), params, n, i) for i, p in enumerate(prompts))))
+
+    async def _one(self, prompt: list[int], params: SamplingParams, n: int, index: int) -> list[Completion]:
+        sampling = {"temperature": params.temperature, "top_p": params.top_p,
+                    "top_k": params.top_k if params.top_k > 0 else -1,
+                    "max_new_tokens": params.max_new_tokens,
+                    "stop_token_ids": list(params.stop_token_ids), "n": n,
+                    "no_stop_trim": True, "skip_special_tokens": False}
+        if params.seed is not None:  # distinct per prompt, reproducible per call
+            sampling["sampling_seed"] = params.seed + index
+        body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+        data, _ = await self.router.post("/generate", body)
+        outs = data if isinstance(data, list) else [data]
+        if len(outs) != n:
+            raise MilesError(f"/generate answered {len(outs)} outputs for n={n}")
+        return [self._completion(o) for o in outs]
+
+    def _completion(self, out: dict) -> Completion:
+        """A ``miles.Completion`` from one SGLang output: token ids and log-probs from
+        ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` per token)."""
+        meta = out.get("meta_info") or {}
+        pairs = meta.get("output_token_logprobs") or []
+        ids = [int(p[1]) for p in pairs] if pairs else [int(t) for t in out.get("output_ids") or []]
+        finish = (meta.get("finish_reason") or {}).get("type") or "length"
+        version = _int_version(meta.get("weight_version"))
+        return Completion(ids, [float(p[0]) for p in pairs], finish,
+                          self.weight_version if version is None else version)
+
+    # -- weights ---------------------------------------------------------------------------------
+    @property
+    def num_weight_ranks(self) -> int:
+        """Ranks this engine takes in a weight-update process group (one per server)."""
+        return len(self.router.servers)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Write the tensors as a version of the ``disk`` transport's format into
+        ``engine.weights_dir`` and have every server load it (``update_weights_from_disk``); the
+        servers must see that folder (same machine or shared disk)."""
+        from .disk import write_version
+
+        if self._weights_dir is None:
+            self._weights_dir = tempfile.mkdtemp(prefix="miles-sglang-weights-")
+        write_version(self._weights_dir, named_tensors, version)
+        self.update_weights_from_disk(model_path=self._weights_dir, weight_version=version)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: Any = None, **kw: Any) -> list:
+        """``POST /update_weights_from_disk`` on every live server; a server that is down misses
+        the update and is kept out of rotation until a later update reaches it."""
+        return self._update("/update_weights_from_disk",
+                            {"model_path": model_path, "weight_version": weight_version, **kw},
+                            weight_version, live_only=True)
+
+    def update_weights_from_tensor(self, serialized_named_tensors: Any, load_format: Any = None,
+                                   weight_version: Any = None, **kw: Any) -> list:
+        """``POST /update_weights_from_tensor`` (the same payload to every live server)."""
+        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                "weight_version": weight_version, **kw}
+        return self._update("/update_weights_from_tensor", body, weight_version, live_only=True)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
+                                  rank_offset: int | Sequence[int] | None = None,
+                                  group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> list:
+        """``POST /init_weights_update_group`` on every server, concurrently (it is collective
+        with the trainer, which joins from another thread). Server ``i`` takes rank
+        ``rank_offset[i]`` (a list), ``rank_offset + i`` (an int), or ``engine.rank_offsets[i]``
+        / ``1 + i`` by default."""
+        n = len(self.router.servers)
+        if rank_offset is None:
+            ranks = list(self.cfg.rank_offsets or range(1, n + 1))
+        elif isinstance(rank_offset, int):
+            ranks = [rank_offset + i for i in range(n)]
+        else:
+            ranks = [int(r) for r in rank_offset]
+        if len(ranks) != n:
+            raise MilesError(f"init_weights_update_group: {len(ranks)} rank offsets for {n} servers")
+        bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": r,
+                   "world_size": world_size, "group_name": group_name, "backend": backend}
+                  for r in ranks]
+        return self._all("/init_weights_update_group", bodies)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: str = DEFAULT_GROUP,
+                                        weight_version: Any = None, flush_cache: bool = True,
+                                        **kw: Any) -> list:
+        """``POST /update_weights_from_distributed`` on every server while the trainer
+        broadcasts the bucket (call from a thread of its own)."""
+        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                "group_name": group_name, "weight_version": weight_version,
+                "flush_cache": flush_cache, **kw}
+        out = self._all("/update_weights_from_distributed", [body] * len(self.router.servers))
+        self._set_version(weight_version, self.router.servers)
+        return out
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> list:
+        """``POST /destroy_weights_update_group`` on every server."""
+        return self._all("/destroy_weights_update_group",
+                         [{"group_name": group_name}] * len(self.router.servers))
+
+    def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """``POST /weights_checksum`` (the torch server's extension) on every live server; the
+        servers must agree, and their common checksums are returned."""
+        live = [s for s in self.router.servers if s.healthy and not s.stale]
+        answers = self._run(self.router.broadcast(
+            "POST", "/weights_checksum", [{"names": None if names is None else list(names)}] * len(live), live))
+        sums = [a.get("checksums") or {} for a in answers]
+        for s, other in zip(live[1:], sums[1:]):
+            differ = sorted(k for k in set(sums[0]) | set(other) if sums[0].get(k) != other.get(k))
+            if differ:
+                raise MilesError(f"servers disagree on weights: {live[0].url} and {s.url} differ on "
+                                 f"{differ[0]} ({len(differ)} tensor(s))")
+        return sums[0] if sums else {}
+
+    def _update(self, path: str, body: dict, weight_version: Any, live_only: bool) -> list:
+        servers = [s for s in self.router.servers if s.healthy] if live_only else self.router.servers
+        if not servers:
+            raise MilesError(f"{path}: no live server: {self.router.describe()}")
+        out = self._run(self.router.broadcast("POST", path, [body] * len(servers), servers))
+        for s in self.router.servers:
+            s.stale = s not in servers
+        self._set_version(weight_version, servers)
+        return out
+
+    def _all(self, path: str, bodies: list[dict]) -> list:
+        return self._run(self.router.broadcast("POST", path, bodies, self.router.servers))
+
+    def _set_version(self, weight_version: Any, servers: list[Server]) -> None:
+        v = _int_version(weight_version)
+        if v is not None:
+            self.weight_version = v
+        for s in servers:
+            s.weight_version = weight_version
+
+    # -- control ---------------------------------------------------------------------------------
+    def pause_generation(self) -> list:
+        """``POST /pause_generation`` on every live server."""
+        return self._control("POST", "/pause_generation")
+
+    def continue_generation(self) -> list:
+        """``POST /continue_generation`` on every live server."""
+        return self._control("POST", "/continue_generation")
+
+    def flush_cache(self) -> list:
+        """``POST /flush_cache`` on every live server."""
+        return self._control("POST", "/flush_cache")
+
+    def _control(self, method: str, path: str) -> list:
+        live = [s for s in self.router.servers if s.healthy]
+        return self._run(self.router.broadcast(method, path, [None] * len(live), live))
+
+    def health(self) -> dict[str, bool]:
+        """Probe every server now: ``{url: healthy}`` (also updates the routing)."""
+        ok = self._run(self.router.probe_all())
+        return {s.url: h for s, h in zip(self.router.servers, ok)}
+
+    def server_stats(self) -> dict[str, dict]:
+        """Per server: requests answered, outstanding, healthy, stale."""
+        return {s.url: {"served": s.served, "outstanding": s.outstanding, "healthy": s.healthy,
+                        "stale": s.stale} for s in self.router.servers}
+
+
+def _int_version(v: Any) -> int | None:
+    """SGLang reports weight versions as strings ("default" before any update)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None

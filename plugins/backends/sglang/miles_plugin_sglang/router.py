@@ -1,0 +1,181 @@
+"""Spreads requests over SGLang servers: least outstanding requests, health checks, retries.
+
+Plays the part of SGLang's router (sgl-project/sglang ``sgl-router``, and Miles' own
+``miles/router/router.py``: least active requests, background ``/health`` checks, failed workers
+left out) inside the engine process, so no extra process is needed. Runs on one asyncio loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from miles import MilesError
+
+PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass(eq=False)  # identity: a server is found in lists by object
+class Server:
+    url: str
+    outstanding: int = 0  # requests sent and not answered yet
+    healthy: bool = True
+    weight_version: Any = None  # as the server last reported it
+    served: int = 0  # requests it answered (for metrics and tests)
+    last_error: str = ""
+    stale: bool = field(default=False)  # missed a weight update: kept out until the next one
+
+
+class RetryableError(Exception):
+    """The server failed (connection lost, 5xx): the request may go to another server."""
+
+
+class Router:
+    def __init__(self, urls: list[str], *, api_key: str | None, timeout_s: float, max_retries: int,
+                 max_concurrency: int):
+        self.servers = [Server(u) for u in urls]
+        self.max_retries = max_retries
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=PROBE_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=max_concurrency + 2 * len(urls),
+                                max_keepalive_connections=max_concurrency))
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._turn = 0  # round-robin among equally loaded servers
+
+    # -- choosing a server -----------------------------------------------------------------------
+    def pick(self, exclude: set[str]) -> Server | None:
+        """The routable server with the fewest outstanding requests (ties: round robin)."""
+        n = len(self.servers)
+        ok = [(s.outstanding, (i - self._turn) % n, s) for i, s in enumerate(self.servers)
+              if s.healthy and not s.stale and s.url not in exclude]
+        if not ok:
+            return None
+        self._turn = (self._turn + 1) % n
+        return min(ok, key=lambda t: t[:2])[2]
+
+    # -- requests --------------------------------------------------------------------------------
+    async def send(self, server: Server, method: str, path: str, body: Any = None,
+                   timeout: float | None = None) -> Any:
+        """One request to one server: its JSON answer (or text). ``RetryableError`` when the
+        server failed, ``MilesError`` when it rejected the request (4xx)."""
+        server.outstanding += 1
+        try:
+            r = await self._client.request(method, server.url + path, json=body, headers=self._headers,
+                                           timeout=timeout or self.timeout_s)
+        except httpx.TransportError as e:
+            raise RetryableError(f"{server.url}{path}: {type(e).__name__}: {e}") from e
+        finally:
+            server.outstanding -= 1
+        if r.status_code >= 500:
+            raise RetryableError(f"{server.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        if r.status_code == 401:
+            raise MilesError(f"{server.url} refused the API key (HTTP 401): set engine.api_key (or "
+                             f"the environment variable engine.api_key_env names) to the server's --api-key")
+        if r.status_code >= 400:
+            raise MilesError(f"{server.url}{path} rejected the request (HTTP {r.status_code}): "
+                             f"{_message(r)}")
+        server.served += 1
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    async def post(self, path: str, body: Any) -> tuple[Any, Server]:
+        """POST to the least loaded healthy server; on failure mark it down and retry on another
+        (at most ``max_retries`` times). Returns the answer and the server that gave it."""
+        tried: set[str] = set()
+        errors: list[str] = []
+        async with self._slots:
+            for _ in range(self.max_retries + 1):
+                server = self.pick(tried) or await self._revive(tried)
+                if server is None:
+                    break
+                tried.add(server.url)
+                try:
+                    return await self.send(server, "POST", path, body), server
+                except RetryableError as e:
+                    self._down(server, str(e))
+                    errors.append(str(e))
+        detail = "; ".join(errors) or "no healthy server: " + self.describe()
+        raise MilesError(f"{path} failed on every server tried ({len(tried)}): {detail}")
+
+    async def broadcast(self, method: str, path: str, bodies: list[Any], servers: list[Server],
+                        timeout: float | None = None) -> list[Any]:
+        """The same call on each of ``servers`` concurrently (``bodies[i]`` to ``servers[i]``);
+        raises ``MilesError`` naming every server that failed, after all have answered."""
+        results = await asyncio.gather(*(self.send(s, method, path, b, timeout)
+                                         for s, b in zip(servers, bodies)), return_exceptions=True)
+        failed = [(s, r) for s, r in zip(servers, results) if isinstance(r, BaseException)]
+        for s, r in failed:
+            if isinstance(r, RetryableError):
+                self._down(s, str(r))
+        if failed:
+            raise MilesError(f"{path} failed on {len(failed)} of {len(servers)} server(s): "
+                             + "; ".join(str(r) for _, r in failed))
+        return results
+
+    # -- health ----------------------------------------------------------------------------------
+    async def probe(self, server: Server) -> bool:
+        """``GET /get_weight_version``: cheap on SGLang (its ``/health`` runs a generation)."""
+        try:
+            r = await self._client.get(server.url + "/get_weight_version", headers=self._headers,
+                                       timeout=PROBE_TIMEOUT_S)
+            ok = r.status_code == 200
+            if ok:
+                server.weight_version = r.json().get("weight_version")
+            else:
+                server.last_error = f"HTTP {r.status_code}"
+        except (httpx.HTTPError, ValueError) as e:
+            ok, server.last_error = False, f"{type(e).__name__}: {e}"
+        if ok and not server.healthy:
+            print(f"miles sglang: {server.url} is back", file=sys.stderr)
+        server.healthy = ok
+        return ok
+
+    async def probe_all(self) -> list[bool]:
+        return list(await asyncio.gather(*(self.probe(s) for s in self.servers)))
+
+    async def health_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.probe_all()
+
+    async def _revive(self, exclude: set[str]) -> Server | None:
+        """No routable server left: probe the failed ones now instead of waiting for the loop."""
+        down = [s for s in self.servers if not s.healthy and not s.stale and s.url not in exclude]
+        for s in down:
+            await self.probe(s)
+        return self.pick(exclude)
+
+    def _down(self, server: Server, error: str) -> None:
+        if server.healthy:
+            print(f"miles sglang: {server.url} failed, routing around it: {error}", file=sys.stderr)
+        server.healthy, server.last_error = False, error
+
+    def describe(self) -> str:
+        return ", ".join(f"{s.url} ({'ok' if s.healthy else s.last_error or 'down'}"
+                         f"{', stale weights' if s.stale else ''})" for s in self.servers)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _message(r: httpx.Response) -> str:
+    """The error text of an SGLang error body (``{"error": {"message"}}`` or ``{"message"}``)."""
+    try:
+        data = r.json()
+    except ValueError:
+        return r.text[:500]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in data:
+            return str(data["message"])
+        if "detail" in data:
+            return str(data["detail"])
+    return str(data)[:500]

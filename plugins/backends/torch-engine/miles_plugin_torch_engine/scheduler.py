@@ -1,0 +1,225 @@
+"""The one thread that owns the engine behind ``miles serve``.
+
+The engine is not thread safe, so every engine call (generation, weight updates, cache flushes,
+health probes) runs here, one at a time. Generation requests that arrive while the engine is busy
+queue up and are run together as one batch: requests are grouped by sampling parameters and
+identical prompts are merged, so the samples of one prompt share its prefill (the engine prefills
+each distinct prompt once for all of its ``n`` samples).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from miles import Completion, SamplingParams
+
+
+@dataclass
+class Item:
+    """One prompt of a request with its ``n`` samples (``completions`` is filled by the thread)."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    n: int
+    completions: list[Completion] = field(default_factory=list)
+
+
+@dataclass(eq=False)  # identity: requests are found in the queue by object
+class Request:
+    """A ``/generate`` call: its items, answered together through ``future``."""
+
+    rid: str
+    items: list[Item]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    seeded: bool = False  # a seeded request is never merged with another one (its draws are its own)
+    aborted: str | None = None
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any = None,
+             error: BaseException | None = None) -> None:
+    """Answer an awaiting HTTP handler from this thread (the client may have gone away)."""
+    def done():
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:  # the event loop is closed: nobody is waiting any more
+        pass
+
+
+class Scheduler:
+    """Runs queued jobs and batched generation on one thread.
+
+    ``submit(request)`` queues a generation request; ``call(fn)`` queues any other engine call and
+    returns an awaitable of its result. Jobs run before queued generation, so a weight update
+    does not wait behind a backlog; a paused scheduler keeps generation queued but still runs jobs.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._pending: list[Request] = []
+        self._jobs: collections.deque = collections.deque()
+        self._paused = False
+        self._stopped = False
+        self.stats = {"num_requests": 0, "num_batches": 0, "num_engine_calls": 0,
+                      "num_aborted": 0, "num_running": 0}
+        self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop --------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        with self._cv:
+            if self._stopped:
+                request.aborted = "server is shutting down"
+                _resolve(request.loop, request.future, request)
+                return
+            self._pending.append(request)
+            self.stats["num_requests"] += 1
+            self._cv.notify()
+
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """``fn()`` on the engine thread; the returned future (of the running loop) gets its
+        result or exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cv:
+            if self._stopped:
+                future.set_exception(RuntimeError("server is shutting down"))
+                return future
+            self._jobs.append((fn, loop, future))
+            self._cv.notify()
+        return future
+
+    def discard(self, request: Request) -> None:
+        """Forget a queued request whose client went away (no-op once it runs)."""
+        with self._cv:
+            if request in self._pending:
+                self._pending.remove(request)
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify()
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Answer queued requests with ``rid`` (all of them for ``""`` or ``abort_all``) as
+        aborted. A batch already running on the engine finishes (the engine generates a batch in
+        one call); returns how many queued requests were aborted."""
+        with self._cv:
+            hit = [r for r in self._pending if abort_all or not rid or r.rid == rid]
+            self._pending = [r for r in self._pending if r not in hit]
+            self.stats["num_aborted"] += len(hit)
+        for r in hit:
+            r.aborted = "aborted by /abort_request"
+            _resolve(r.loop, r.future, r)
+        return len(hit)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def stop(self) -> None:
+        """Stop taking work; queued requests are answered as aborted, queued jobs fail."""
+        with self._cv:
+            self._stopped = True
+            pending, self._pending = self._pending, []
+            jobs, self._jobs = list(self._jobs), collections.deque()
+            self._cv.notify()
+        for r in pending:
+            r.aborted = "server is shutting down"
+            _resolve(r.loop, r.future, r)
+        for _, loop, future in jobs:
+            _resolve(loop, future, error=RuntimeError("server is shutting down"))
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopped or self._jobs or (self._pending and not self._paused)):
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                job = self._jobs.popleft() if self._jobs else None
+                batch: list[Request] = []
+                if job is None:
+                    batch, self._pending = self._pending, []
+                    self.stats["num_running"] = len(batch)
+            if job is not None:
+                fn, loop, future = job
+                try:
+                    _resolve(loop, future, fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
+                    _resolve(loop, future, error=e)
+            else:
+                self._run_batch(batch)
+
+    def _run_batch(self, batch: list[Request]) -> None:
+        self.stats["num_batches"] += 1
+        failed: dict[int, BaseException] = {}
+        for params, items in self._by_params(batch):
+            try:
+                self._generate(params, items)
+            except Exception as e:  # noqa: BLE001 - one bad group must not fail the others
+                for item, owner in items:
+                    failed[id(owner)] = e
+        self.stats["num_running"] = 0
+        for r in batch:
+            if id(r) in failed:
+                _resolve(r.loop, r.future, error=failed[id(r)])
+            else:
+                _resolve(r.loop, r.future, r)
+
+    @staticmethod
+    def _by_params(batch: list[Request]):
+        """(params, [(item, request)]) per distinct sampling setting; seeded requests alone."""
+        groups: dict[Any, tuple[SamplingParams, list]] = {}
+        for r in batch:
+            for item in r.items:
+                p = item.params
+                key = (id(r) if r.seeded else None, p.temperature, p.top_p, p.top_k,
+                       p.max_new_tokens, tuple(p.stop_token_ids), p.seed)
+                groups.setdefault(key, (p, []))[1].append((item, r))
+        return list(groups.values())
+
+    def _generate(self, params: SamplingParams, items: list[tuple[Item, Request]]) -> None:
+        """One engine call for the group. Identical prompts are merged so their samples share one
+        prefill; ``engine.generate`` takes one ``n`` for all its prompts, so a prompt that wants
+        ``k`` samples is passed ``k / g`` times with ``n = g``, ``g`` the gcd of all the ``k``."""
+        wanted: dict[tuple[int, ...], list[Item]] = {}
+        for item, _ in items:
+            wanted.setdefault(item.prompt, []).append(item)
+        counts = {prompt: sum(o.n for o in owners) for prompt, owners in wanted.items()}
+        g = math.gcd(*counts.values())
+        prompts = [prompt for prompt, k in counts.items() for _ in range(k // g)]
+        self.stats["num_engine_calls"] += 1
+        outs = self.engine.generate([list(p) for p in prompts], params, n=g)
+        samples: dict[tuple[int, ...], list[Completion]] = {}
+        for prompt, comps in zip(prompts, outs):
+            samples.setdefault(prompt, []).extend(comps)
+        for prompt, owners in wanted.items():
+            it = iter(samples[prompt])
+            for owner in owners:
+                owner.completions = list(itertools.islice(it, owner.n))

@@ -1,0 +1,380 @@
+"""``miles serve``: the torch engine behind a subset of SGLang's native HTTP API.
+
+Routes, payloads and responses follow SGLang's ``python/sglang/srt/entrypoints/http_server.py``
+and the request structs of ``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``,
+``AbortReq``, ``UpdateWeightFromDiskReqInput``, ``InitWeightsUpdateGroupReqInput``, ...), so a
+client written for SGLang (our ``sglang`` engine plugin, Miles' rollout) drives it unchanged.
+Every engine call goes through one thread (``scheduler.Scheduler``); the event loop only parses,
+queues and answers, so slow calls (a collective weight update waiting for the trainer) never
+block the other endpoints.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from miles import MilesError, SamplingParams
+from pydantic import ValidationError
+
+from .protocol import GenerateBody, errors_text
+from .scheduler import Item, Request, Scheduler
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+# SGLang request fields with no effect on this engine: accepted and ignored when the engine's
+# method does not take them (io_struct.py UpdateWeight*ReqInput)
+SGLANG_NOOP_FIELDS = {"abort_all_requests", "flush_cache", "selector", "is_async", "torch_empty_cache",
+                      "keep_pause", "recapture_cuda_graph", "token_step"}
+# route -> engine method (the route name is the method name, except our checksum extension)
+WEIGHT_ROUTES = {"update_weights_from_disk": "update_weights_from_disk",
+                 "init_weights_update_group": "init_weights_update_group",
+                 "update_weights_from_distributed": "update_weights_from_distributed",
+                 "update_weights_from_tensor": "update_weights_from_tensor",
+                 "destroy_weights_update_group": "destroy_weights_update_group",
+                 "weights_checksum": "weight_checksums"}
+HEALTH_TIMEOUT_S = 20.0
+
+
+class FolderSpec:
+    """Model spec over a Hugging Face folder (config.json, safetensors, tokenizer files)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+
+    def build_tokenizer(self, default: Any = None) -> Any:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(self.model_dir)
+        except Exception as e:
+            raise MilesError(f"{self.model_dir}: cannot load its tokenizer ({type(e).__name__}: {e}); "
+                             f"`miles export` writes the tokenizer files next to the weights") from e
+        if tok.pad_token_id is None:  # the engine pads batches
+            tok.pad_token = tok.eos_token
+        return tok
+
+    def build_model(self, tokenizer: Any):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_dir)
+
+
+def _error(message: str, status: int = 400):
+    """SGLang's error body (``http_server.py: _create_error_response``)."""
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _finish_reason(reason: str, tokens: list[int], abort_message: str | None) -> dict:
+    """SGLang's ``meta_info.finish_reason`` (``FINISH_MATCHED_TOKEN`` / ``FINISH_LENGTH`` /
+    ``FINISH_ABORT`` as JSON, ``managers/schedule_batch.py``)."""
+    if abort_message is not None or reason == "abort":
+        return {"type": "abort", "message": abort_message or "aborted"}
+    if reason == "stop":
+        return {"type": "stop", "matched": tokens[-1] if tokens else None}
+    return {"type": "length", "length": len(tokens)}
+
+
+def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: float) -> list[dict]:
+    """SGLang's ``/generate`` response items, ordered as SGLang orders parallel samples: all
+    prompts' first samples, then all second samples (``GenerateReqInput._expand_inputs``)."""
+    from miles.builtin import decode_batch
+
+    n = req.items[0].n
+    rows = [(item, j) for j in range(n) for item in req.items]
+    comps = [None if req.aborted else item.completions[j] for item, j in rows]
+    texts = decode_batch(tokenizer, [c.token_ids if c else [] for c in comps])
+    with_text = body.return_text_in_logprobs
+    token_texts = (iter(decode_batch(tokenizer, [[t] for c in comps if c for t in c.token_ids]))
+                   if with_text and body.wants_logprobs else None)
+    latency = time.monotonic() - started
+    out = []
+    for k, ((item, _), comp, text) in enumerate(zip(rows, comps, texts)):
+        tokens = comp.token_ids if comp else []
+        meta = {"id": req.rid if len(rows) == 1 else f"{req.rid}_{k}",
+                "finish_reason": _finish_reason(comp.finish_reason if comp else "abort", tokens,
+                                                req.aborted),
+                "prompt_tokens": len(item.prompt), "completion_tokens": len(tokens),
+                "weight_version": comp.weight_version if comp else None, "e2e_latency": latency}
+        if body.wants_logprobs:
+            meta["output_token_logprobs"] = [
+                [lp, t, next(token_texts) if token_texts else None]
+                for lp, t in zip(comp.logprobs if comp else [], tokens)]
+        out.append({"text": text, "output_ids": list(tokens), "meta_info": meta})
+    return out
+
+
+def _accepted_kwargs(fn: Any, body: dict, route: str) -> dict:
+    """The JSON body as keyword arguments of ``fn``; SGLang-only no-op fields are dropped,
+    anything else ``fn`` does not take is a client error that names it."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(body)
+    unknown = [k for k in body if k not in params and k not in SGLANG_NOOP_FIELDS]
+    if unknown:
+        raise ValueError(f"/{route}: unknown field(s) {', '.join(sorted(unknown))}; "
+                         f"accepted: {', '.join(params)}")
+    return {k: v for k, v in body.items() if k in params}
+
+
+def _weight_response(route: str, result: Any) -> dict:
+    """``{"success", "message"}`` as SGLang's weight endpoints answer, plus what the engine
+    returned (``checksums`` for our ``/weights_checksum`` extension)."""
+    if route == "weights_checksum":
+        return {"success": True, "message": "", "checksums": result}
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
+        return {"success": result[0], "message": str(result[1])}
+    if isinstance(result, dict):
+        return {"success": True, "message": "ok", **result}
+    return {"success": True, "message": "ok"}
+
+
+def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str | None = None,
+              settings: dict | None = None):
+    """The FastAPI application (SGLang's native routes we support; see the module docstring)."""
+    app = FastAPI(title="miles serve", openapi_url=None)
+    vocab = int(getattr(engine.model.config, "vocab_size", 0) or 0)
+    tokenizer = engine.tokenizer
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: HttpRequest, call_next):
+            # Stricter than SGLang's add_api_key_middleware (utils/common.py), which lets /health*
+            # through: here every route needs the key, health probes included.
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
+
+    async def json_body(request: HttpRequest) -> dict:
+        raw = await request.body()
+        if not raw.strip():
+            return {}
+        data = await request.json()
+        if not isinstance(data, dict):
+            raise ValueError("the request body must be a JSON object")
+        return data
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: HttpRequest):
+        """SGLang ``POST /generate`` (``GenerateReqInput``), non-streaming, token ids in/out."""
+        started = time.monotonic()
+        try:
+            body = GenerateBody.model_validate(await json_body(request))
+            prompts = body.prompts(tokenizer)
+            params = body.sampling(len(prompts))
+            bad = [t for p in prompts for t in p if not 0 <= t < vocab] if vocab else []
+            if bad:
+                raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        except ValidationError as e:
+            return _error(errors_text(e))
+        except ValueError as e:
+            return _error(str(e))
+        loop = asyncio.get_running_loop()
+        req = Request(rid=body.request_id(), loop=loop, future=loop.create_future(),
+                      items=[Item(tuple(p), sp, sp_n) for p, (sp, sp_n) in zip(prompts, params)],
+                      seeded=any(sp.seed is not None for sp, _ in params))
+        scheduler.submit(req)
+        try:
+            await req.future
+        except asyncio.CancelledError:  # the client went away: drop it if it is still queued
+            scheduler.discard(req)
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine rejected the batch
+            return _error(f"generation failed: {type(e).__name__}: {e}", 500)
+        out = format_outputs(req, body, tokenizer, started)
+        return out[0] if body.single and len(out) == 1 else out
+
+    @app.get("/health")
+    async def health():
+        """SGLang ``GET /health``: the server and its engine thread are up (no engine work)."""
+        return Response(status_code=200 if scheduler.alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """SGLang ``GET /health_generate``: a one-token greedy generation through the engine
+        thread (as a job, so it answers while generation is paused)."""
+        probe = SamplingParams(temperature=0.0, max_new_tokens=1)
+        try:
+            await asyncio.wait_for(scheduler.call(lambda: engine.generate([[0]], probe, n=1)),
+                                   HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """SGLang ``/flush_cache``. The engine keeps no KV cache between calls, so this only
+        waits for the engine thread (and calls the engine's ``flush_cache`` if it has one)."""
+        fn = getattr(engine, "flush_cache", None)
+        await scheduler.call(fn if callable(fn) else (lambda: None))
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/pause_generation")
+    async def pause_generation():
+        """SGLang ``POST /pause_generation``: new generate requests wait in the queue; returns
+        once the batch in flight (if any) has finished."""
+        scheduler.pause()
+        await scheduler.call(lambda: None)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        """SGLang ``POST /continue_generation``: queued requests run again."""
+        scheduler.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/abort_request")
+    async def abort_request(request: HttpRequest):
+        """SGLang ``POST /abort_request`` (``AbortReq{rid, abort_all}``): queued requests with
+        that rid (all of them for ``""`` or ``abort_all``) answer with finish_reason abort."""
+        try:
+            body = await json_body(request)
+        except ValueError as e:
+            return _error(str(e))
+        scheduler.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+        return Response(status_code=200)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        """SGLang ``GET /get_weight_version``."""
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def get_model_info():
+        """SGLang ``GET /get_model_info`` (Miles also reads ``/model_info``)."""
+        return {"model_path": model_dir, "tokenizer_path": model_dir, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        """SGLang ``GET /get_server_info``: settings plus scheduler counters (ours: requests,
+        batches, engine calls) in ``internal_states``."""
+        state = {**scheduler.stats, "num_waiting": scheduler.num_waiting, "paused": scheduler.paused}
+        return {"model_path": model_dir, **(settings or {}), "weight_version": engine.weight_version,
+                "internal_states": [state], **state, "version": "miles"}
+
+    for route, method in WEIGHT_ROUTES.items():
+        app.post(f"/{route}")(_weight_handler(engine, scheduler, route, method, json_body))
+    return app
+
+
+def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str, json_body):
+    """SGLang's weight endpoints (``/update_weights_from_disk``, ``/init_weights_update_group``,
+    ... in ``http_server.py``): the engine method of the same name, run on the engine thread."""
+    async def handler(request: HttpRequest):
+        fn = getattr(engine, method, None)
+        if not callable(fn):
+            return JSONResponse({"success": False, "message": f"engine does not support {method}"},
+                                status_code=400)
+        try:
+            kwargs = _accepted_kwargs(fn, await json_body(request), route)
+        except ValueError as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+        try:
+            result = await scheduler.call(lambda: fn(**kwargs))
+        except Exception as e:  # noqa: BLE001 - reported to the client as SGLang does
+            return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"},
+                                status_code=400)
+        content = _weight_response(route, result)
+        return JSONResponse(content, status_code=200 if content["success"] else 400)
+
+    handler.__name__ = route
+    return handler
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse to expose an unauthenticated engine beyond this machine."""
+    if host not in LOOPBACK and not api_key:
+        raise MilesError(f"--host {host} exposes the server beyond this machine: pass --api-key KEY "
+                         f"(clients then send 'Authorization: Bearer KEY'), or bind 127.0.0.1")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MilesError(f"cannot bind {host}:{port}: {e.strerror}; pick another --port "
+                         f"(0 picks a free one)") from e
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+          settings: dict | None = None) -> int:
+    """Load ``model_dir`` into a torch engine and serve it until SIGTERM/SIGINT; returns 0."""
+    from miles.config import validate_settings
+    from miles.errors import ConfigError
+
+    from .config import TorchEngineConfig
+
+    check_bind(host, api_key)
+    if not (Path(model_dir) / "config.json").is_file():
+        raise MilesError(f"{model_dir} is not a Hugging Face model folder (no config.json); "
+                         f"write one with `miles export RUN_DIR --to FOLDER`")
+    problems: list[str] = []
+    cfg = validate_settings(TorchEngineConfig, "serve", dict(settings or {}), problems)
+    if problems:
+        raise ConfigError(problems, source="miles serve")
+    sock = _bind(host, port)  # before loading the model: a busy port fails fast
+    from transformers.utils import logging as hf_logging
+
+    from .engine import TorchEngine
+
+    hf_logging.disable_progress_bar()  # the launcher reads our stdout/stderr
+    spec = FolderSpec(model_dir)
+    tokenizer = spec.build_tokenizer()
+    engine = TorchEngine(cfg, spec=spec, tokenizer=tokenizer)
+    scheduler = Scheduler(engine)
+    app = build_app(engine, scheduler, model_dir=model_dir, api_key=api_key,
+                    settings=cfg.model_dump())
+    try:
+        asyncio.run(_run_uvicorn(app, sock, host, scheduler))
+    finally:
+        scheduler.stop()
+        sock.close()
+    return 0
+
+
+async def _run_uvicorn(app: Any, sock: socket.socket, host: str, scheduler: Scheduler) -> None:
+    import uvicorn
+
+    loop = asyncio.get_running_loop()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # answer queued requests (as aborted) so the graceful shutdown does not wait on them;
+            # run by the loop because a signal handler may interrupt the scheduler's lock
+            loop.call_soon_threadsafe(scheduler.stop)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                   timeout_graceful_shutdown=10))
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
+    # place that re-raise is a no-op and the process exits 0 with the port released
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        port = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"miles serve: listening on http://{shown}:{port}", flush=True)
+    await task
+
