@@ -215,6 +215,15 @@ def test_sglang_plugin_routes_updates_weights_and_survives_kill_9(servers, model
         want = {n: W.checksum(t) for n, t in named}
         assert engine.weight_checksums(list(want)) == want
         assert {c.weight_version for o in engine.generate([[2, 5]], params, n=2) for c in o} == {5}
+        # and by torch.distributed broadcast (gloo): the collective HTTP calls, one rank per server
+        newer = [(n, p.detach()) for n, p in lively(TinySpec().build_model(char_tokenizer()), 8).named_parameters()]
+        trainer = type("Trainer", (), {"rank": 0, "named_weights": lambda self: iter(newer)})()
+        sync = pm.create("transports", "broadcast", pm.registry("transports")["broadcast"].config(verify=True))
+        assert engine.num_weight_ranks == 2
+        assert sync.sync(trainer, [engine], 6)["weight_sync_bytes"] > 0  # verify=True: checksums match
+        want = {n: W.checksum(t) for n, t in newer}
+        assert engine.weight_checksums(list(want)) == want
+        assert {c.weight_version for o in engine.generate([[2, 5]], params, n=2) for c in o} == {6}
         # kill -9 one server: every request still completes, on the survivor
         victim, survivor = servers[1], servers[0]
         os.kill(victim.proc.pid, signal.SIGKILL)

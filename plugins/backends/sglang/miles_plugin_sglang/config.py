@@ -27,9 +27,9 @@ class SGLangEngineConfig(pydantic.BaseModel, extra="forbid"):
     weights_dir: Optional[str] = Field(
         None, description="load_weights writes each version here (a folder the servers can read: "
         "shared disk or the same machine) and has them load it; default: a temporary folder")
-    rank_offsets: Optional[list[int]] = Field(
-        None, description="rank of each server in a weight-update process group; default 1, 2, ... "
-        "(one rank per server; an SGLang server with tensor parallelism takes several)")
+    ranks_per_server: Optional[list[int]] = Field(
+        None, description="ranks each server takes in a weight-update process group (its tensor-"
+        "parallel size for SGLang); default 1 each (`miles serve`)")
 
     @field_validator("urls")
     @classmethod
@@ -45,6 +45,8 @@ class SGLangEngineConfig(pydantic.BaseModel, extra="forbid"):
 
     @model_validator(mode="after")
     def _ranks(self):
-        if self.rank_offsets is not None and len(self.rank_offsets) != len(self.urls):
-            raise ValueError(f"rank_offsets has {len(self.rank_offsets)} entries for {len(self.urls)} urls")
+        ranks = self.ranks_per_server
+        if ranks is not None and (len(ranks) != len(self.urls) or min(ranks) < 1):
+            raise ValueError(f"ranks_per_server needs one positive entry per url ({len(self.urls)}), "
+                             f"got {ranks}")
         return self

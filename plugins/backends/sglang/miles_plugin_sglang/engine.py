@@ -132,8 +132,11 @@ class SGLangEngine:
     # -- weights ---------------------------------------------------------------------------------
     @property
     def num_weight_ranks(self) -> int:
-        """Ranks this engine takes in a weight-update process group (one per server)."""
-        return len(self.router.servers)
+        """Ranks this engine takes in a weight-update process group (all its servers')."""
+        return sum(self._ranks_per_server())
+
+    def _ranks_per_server(self) -> list[int]:
+        return list(self.cfg.ranks_per_server or [1] * len(self.router.servers))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Write the tensors as a version of the ``disk`` transport's format into
@@ -164,18 +167,17 @@ class SGLangEngine:
                                   rank_offset: int | Sequence[int] | None = None,
                                   group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> list:
         """``POST /init_weights_update_group`` on every server, concurrently (it is collective
-        with the trainer, which joins from another thread). Server ``i`` takes rank
-        ``rank_offset[i]`` (a list), ``rank_offset + i`` (an int), or ``engine.rank_offsets[i]``
-        / ``1 + i`` by default."""
-        n = len(self.router.servers)
-        if rank_offset is None:
-            ranks = list(self.cfg.rank_offsets or range(1, n + 1))
-        elif isinstance(rank_offset, int):
-            ranks = [rank_offset + i for i in range(n)]
+        with the trainer, which joins from another thread). ``rank_offset``: a list (one rank per
+        server), or the first rank of this engine (default 1: the trainer is rank 0), each server
+        then starting where the previous one's ``ranks_per_server`` end."""
+        sizes = self._ranks_per_server()
+        if rank_offset is None or isinstance(rank_offset, int):
+            first = 1 if rank_offset is None else rank_offset
+            ranks = [first + sum(sizes[:i]) for i in range(len(sizes))]
         else:
             ranks = [int(r) for r in rank_offset]
-        if len(ranks) != n:
-            raise MilesError(f"init_weights_update_group: {len(ranks)} rank offsets for {n} servers")
+        if len(ranks) != len(sizes):
+            raise MilesError(f"init_weights_update_group: {len(ranks)} rank offsets for {len(sizes)} servers")
         bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": r,
                    "world_size": world_size, "group_name": group_name, "backend": backend}
                   for r in ranks]

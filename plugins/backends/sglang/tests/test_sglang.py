@@ -1,0 +1,102 @@
+"""The ``sglang`` engine plugin without servers: config, registration, routing choices, response
+parsing, the weights folder it writes. Against real ``miles serve`` processes (routing spread,
+retries after kill -9, weight updates): tests/test_serve.py."""
+import asyncio
+import json
+import socket
+
+import pytest
+from miles import MilesError, make_plugin_manager
+from miles import weights as W
+from miles.testing import assert_lazy_registration
+from pydantic import ValidationError
+
+from miles_plugin_sglang.config import SGLangEngineConfig
+from miles_plugin_sglang.disk import write_version
+from miles_plugin_sglang.engine import SGLangEngine
+from miles_plugin_sglang.router import Router
+
+
+def test_registers_lazily_without_importing_torch():
+    assert_lazy_registration("miles_plugin_sglang", "engines", "sglang")
+
+
+def test_does_not_import_the_sglang_package():
+    import subprocess
+    import sys
+
+    code = ("import sys, miles_plugin_sglang.engine, miles_plugin_sglang.router; "
+            "assert 'sglang' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_config_validation():
+    cfg = SGLangEngineConfig(urls=["http://127.0.0.1:30000/"])
+    assert cfg.urls == ["http://127.0.0.1:30000"]
+    for bad, word in (({"urls": []}, "urls"), ({"urls": ["127.0.0.1:30000"]}, "http"),
+                      ({"urls": ["http://a:1", "http://a:1/"]}, "twice"),
+                      ({"urls": ["http://a:1"], "ranks_per_server": [1, 2]}, "ranks_per_server"),
+                      ({"urls": ["http://a:1"], "url": "x"}, "url")):
+        with pytest.raises(ValidationError, match=word):
+            SGLangEngineConfig(**bad)
+
+
+def test_least_outstanding_then_round_robin():
+    async def main():
+        r = Router(["http://a", "http://b", "http://c"], api_key=None, timeout_s=1, max_retries=1,
+                   max_concurrency=4)
+        a, b, c = r.servers
+        picks = [r.pick(set()).url for _ in range(6)]
+        assert sorted(picks) == sorted(["http://a", "http://b", "http://c"] * 2)  # ties rotate
+        a.outstanding, b.outstanding, c.outstanding = 3, 1, 2
+        assert r.pick(set()) is b
+        assert r.pick({"http://b"}) is c
+        c.healthy = False
+        assert r.pick({"http://b"}) is a
+        a.stale = True  # missed a weight update: never routed to
+        assert r.pick({"http://b"}) is None
+        await r.close()
+
+    asyncio.run(main())
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_server_answering_is_a_clear_error():
+    url = f"http://127.0.0.1:{free_port()}"
+    pm = make_plugin_manager()
+    cfg = SGLangEngineConfig(urls=[url], startup_timeout_s=0)
+    with pytest.raises(MilesError, match=f"no SGLang server answered.*{url}"):
+        pm.create("engines", "sglang", cfg, spec=None, tokenizer=None, seed=0)
+
+
+def test_sglang_outputs_become_completions():
+    eng = SGLangEngine.__new__(SGLangEngine)  # parsing needs no connection
+    eng.weight_version = 4
+    out = {"text": "ab", "output_ids": [7, 8],
+           "meta_info": {"finish_reason": {"type": "stop", "matched": 8}, "weight_version": "6",
+                         "output_token_logprobs": [[-0.5, 7, None], [-1.25, 8, None]]}}
+    c = eng._completion(out)
+    assert (c.token_ids, c.logprobs, c.finish_reason, c.weight_version) == ([7, 8], [-0.5, -1.25], "stop", 6)
+    c = eng._completion({"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"},
+                                                         "weight_version": "default"}})
+    assert (c.token_ids, c.finish_reason, c.weight_version) == ([], "abort", 4)
+
+
+def test_weights_folder_is_the_kernel_disk_format(tmp_path):
+    import torch
+
+    named = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.arange(5, dtype=torch.bfloat16))]
+    named.append(("tied.weight", named[0][1]))  # shares memory with a.weight
+    write_version(str(tmp_path), named, 3)
+    write_version(str(tmp_path), named, 3)  # a resumed run re-syncs a version: a new revision
+    assert [n for _, _, n in W.committed(str(tmp_path))] == ["v00000003.r1"]  # older ones pruned
+    back = dict(W.load_version(str(tmp_path), verify=True))
+    assert list(back) == [n for n, _ in named]
+    for name, t in named:
+        assert torch.equal(back[name], t) and back[name].dtype == t.dtype
+    assert json.loads((tmp_path / "v00000003.r1" / "manifest.json").read_text())["version"] == 3
