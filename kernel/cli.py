@@ -86,14 +86,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """A model folder behind SGLang's HTTP API, through the ``miles_serve`` hook (engine-agnostic)."""
     from .config import apply_overrides
+    from .errors import PluginError
     from .plugins import call_first, make_plugin_manager
 
     if args.host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
         raise MilesError(f"--host {args.host} exposes the server beyond this machine: pass "
                          f"--api-key KEY (clients send 'Authorization: Bearer KEY'), or bind 127.0.0.1")
     pm = make_plugin_manager(extra=args.plugin or [])
-    code = call_first(pm, "miles_serve", model_dir=args.model_dir, host=args.host, port=args.port,
-                      api_key=args.api_key, settings=apply_overrides({}, args.overrides))
+    try:
+        code = call_first(pm, "miles_serve", model_dir=args.model_dir, host=args.host, port=args.port,
+                          api_key=args.api_key, settings=apply_overrides({}, args.overrides))
+    except PluginError as e:  # a user error (bad folder, setting, port) reads better unwrapped
+        if isinstance(e.__cause__, MilesError) and not isinstance(e.__cause__, PluginError):
+            raise e.__cause__ from None
+        raise
     if code is None:
         raise MilesError("no installed plugin implements miles_serve; pip install miles-plugin-torch-engine")
     return code

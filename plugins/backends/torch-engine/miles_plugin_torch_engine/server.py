@@ -328,9 +328,9 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
         raise MilesError(f"{model_dir} is not a Hugging Face model folder (no config.json); "
                          f"write one with `miles export RUN_DIR --to FOLDER`")
     problems: list[str] = []
-    cfg = validate_settings(TorchEngineConfig, "serve", dict(settings or {}), problems)
+    cfg = validate_settings(TorchEngineConfig, "", dict(settings or {}), problems)
     if problems:
-        raise ConfigError(problems, source="miles serve")
+        raise ConfigError(problems, source="miles serve settings (key=value)")
     sock = _bind(host, port)  # before loading the model: a busy port fails fast
     from transformers.utils import logging as hf_logging
 
