@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -26,6 +27,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .loop import Loop
 
     pm, cfg = _load(args)
+    if cfg.name("launcher") and not os.environ.get("MILES_LAUNCHED"):
+        plugins = list(args.plugin or []) + cfg.plugins
+        launcher = pm.create("launchers", cfg.name("launcher"), cfg.settings("launcher"))
+        return launcher.launch(cfg, pm, plugins)
     loop = Loop(pm, cfg)
     try:
         history = loop.run()

@@ -45,6 +45,8 @@ class RunConfig(Strict):
     eval_every: int = Field(10, gt=0, description="steps between evaluations (step 0 and the last always)")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
     warm_start: WarmStartConfig | None = Field(None, description="optional supervised warm start")
+    max_nonfinite_steps: int = Field(3, gt=0, description="consecutive steps with a NaN/inf loss "
+                                     "(each skipped by the trainer) that end the run")
     mode: Literal["sync", "async"] = Field("sync", description="sync: rollout then train, exactly "
                                            "on-policy; async: rollout workers stream groups into a "
                                            "bounded buffer while the trainer trains")

@@ -47,6 +47,20 @@ class Interrupted(MilesError):
         self.exit_code = exit_code
 
 
+class SyncView:
+    """The trainer as a transport sees it when the model spec has a ``sync_filter(name)``: only
+    the weights it accepts (those training changes) are sent; everything else is the trainer's."""
+
+    def __init__(self, trainer: Any, keep: Any):
+        self._trainer, self._keep = trainer, keep
+
+    def named_weights(self):
+        return ((n, t) for n, t in self._trainer.named_weights() if self._keep(n))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
+
+
 class Loop:
     def __init__(self, pm: MilesPluginManager, cfg: Config):
         self.pm, self.cfg = pm, cfg
@@ -58,7 +72,9 @@ class Loop:
         self.stop_signal: int | None = None  # set by SIGINT/SIGTERM during run()
         self.streamer: streaming.Streamer | None = None  # run.mode async, rank 0
         self.engine_lock: Any = contextlib.nullcontext()
+        self.bad_steps = self.nonfinite_total = 0
         self._previous: dict[int, Any] = {}
+        self._synced_once = False
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, with_engine: bool = True) -> Parts:
@@ -134,8 +150,12 @@ class Loop:
 
     def sync(self) -> dict[str, float]:
         engines = [self.p.engine] if self.p.engine is not None else []
+        trainer, keep = self.p.trainer, getattr(self.p.spec, "sync_filter", None)
+        if keep is not None and self._synced_once:  # e.g. LoRA: the frozen base went with the first sync
+            trainer = SyncView(trainer, keep)
+        self._synced_once = True
         with self.engine_lock:
-            return self.p.transport.sync(self.p.trainer, engines, self.version)
+            return self.p.transport.sync(trainer, engines, self.version)
 
     def share(self, obj: Any) -> Any:
         """``obj`` as rank 0 has it, on every trainer rank."""
@@ -334,6 +354,22 @@ class Loop:
         m.update(self.sync())
         return m
 
+    def _check_finite(self, step: int, m: dict[str, Any]) -> None:
+        """The trainer skips a step whose loss or gradient is NaN/inf (metric ``nonfinite_skipped``);
+        ``run.max_nonfinite_steps`` of them in a row end the run after checkpointing (the skipped
+        steps left the weights as the last good step made them)."""
+        self.bad_steps = self.bad_steps + 1 if m.get("nonfinite_skipped") else 0
+        self.nonfinite_total += bool(m.get("nonfinite_skipped"))
+        m["nonfinite_steps"] = self.nonfinite_total
+        k = self.cfg.run.max_nonfinite_steps
+        if self.bad_steps >= k:
+            self.log(step, m)
+            self.save(step)
+            raise MilesError(f"{k} training steps in a row (steps {step - k + 1}-{step}) had a NaN/inf "
+                             f"loss or gradient and were skipped; the last good weights are checkpointed "
+                             f"at step {step} in {self.cfg.run.out_dir}. Lower trainer.lr, check rewards "
+                             f"and custom losses, or raise run.max_nonfinite_steps")
+
     # -- the run -----------------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.main:
@@ -433,6 +469,7 @@ class Loop:
             self._start_streaming()
             for step in range(start, cfg.run.steps + 1):
                 m = self.rl_step(step)
+                self._check_finite(step, m)
                 if step % cfg.run.eval_every == 0 or step == cfg.run.steps:
                     m.update(self.evaluate())
                 self.log(step, m)
