@@ -1,5 +1,5 @@
 """Config of the ``torch`` engine. Kept free of torch imports so registration stays cheap."""
-from typing import Literal
+from typing import Literal, Optional
 
 import pydantic
 from pydantic import Field
@@ -11,3 +11,15 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
         "float32", description="dtype of the engine's model weights and KV cache")
     max_batch_size: int = Field(
         1024, ge=1, description="max sequences decoded in one forward; larger requests are chunked")
+    impl: Literal["auto", "fast", "hf"] = Field(
+        "auto", description='"fast": the built-in Llama-family forward (Llama, Qwen2, Qwen3, Mistral '
+        'without sliding window) over a KV cache allocated once, with continuous batching and CUDA '
+        'graphs; "hf": the model\'s own forward (any causal LM); "auto": fast on CUDA when the '
+        'architecture is supported, else hf')
+    max_seq_len: Optional[int] = Field(
+        None, ge=2, description="fast path: KV-cache positions per sequence (prompt + new tokens); "
+        "unset: sized from the first request and grown when a longer one comes")
+    cuda_graphs: bool = Field(
+        True, description="fast path: replay the decode step from CUDA graphs (one per batch/length bucket)")
+    prefill_tokens: int = Field(
+        16384, ge=1, description="fast path: max (padded) prompt tokens prefilled in one forward")

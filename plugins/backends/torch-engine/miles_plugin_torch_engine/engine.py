@@ -92,6 +92,10 @@ class TorchEngine(WeightReceiver):
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
         self._targets = dict(self.model.named_parameters(remove_duplicate=False))
         self._targets.update(self.model.named_buffers(remove_duplicate=False))
+        # Llama-family models on CUDA (or engine.impl=fast) take the fast path (batching.py)
+        from .batching import select_fast_path
+
+        self._fast = select_fast_path(cfg, self.model, self.device)
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -116,6 +120,8 @@ class TorchEngine(WeightReceiver):
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         stop = set(params.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
+        if self._fast is not None:
+            return self._fast.generate(prompts, params, n, gen, sorted(stop), self.weight_version)
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         out: list[list[Completion]] = [[] for _ in prompts]
         for idx, reps in self._chunks(len(prompts), n):

@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Tokens/s of miles' built-in ``torch`` engine against transformers ``generate``: same model object,
+same prompts, same sampling (temperature 1, no top-k/top-p), same number of new tokens, one run.
+
+GPU (default): a randomly initialised Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads,
+2 KV heads, intermediate 4864, vocab 151936, tied embeddings) in bf16; 256 prompts of 128 random
+tokens, 256 new tokens each. The engine runs its fast path (``impl: fast``: KV cache allocated
+once, continuous batching, CUDA graphs) with ``max_batch_size`` 256; the same engine with graphs
+off is measured too.
+``--device cpu``: the quickstart model (recipes/quickstart.yaml's ``model.config`` over the arith
+char vocabulary) in float32 on one thread, 64 prompts of 32 tokens, 64 new tokens each, with both
+the fast path and the generic (``impl: hf``) engine path measured.
+
+Neither side stops early: ``generate`` gets no EOS id, the engine no stop ids, so both produce
+exactly prompts x new-tokens tokens (checked). The engine also returns every token's log-prob;
+``generate`` is not asked for scores. Each side is warmed up once (the engine's warm-up captures its
+CUDA graphs), then timed; the sides alternate and each side's best run counts (other processes only
+ever slow a run down).
+
+Usage: python benchmarks/engine_vs_hf.py [--device cuda|cpu] [--repeats N]
+Ends with one line: ``engine_vs_hf tokens/s ratio: <x> (miles <tok/s> vs generate <tok/s>)``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_MODEL = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+SHAPES = {"cuda": dict(prompts=256, prompt_len=128, new_tokens=256, dtype="bfloat16"),
+          "cpu": dict(prompts=64, prompt_len=32, new_tokens=64, dtype="float32")}
+
+
+class _Prebuilt:
+    """A model spec handing the engine the already built model (so both sides share weights)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def build_model(self, tokenizer):
+        return self.model
+
+
+class _Tok:  # the engine only reads these two ids from its tokenizer
+    eos_token_id = None
+    pad_token_id = 0
+
+
+def model_config(device: str) -> dict:
+    if device != "cpu":
+        return dict(GPU_MODEL)
+    import yaml
+    from miles.testing import char_tokenizer
+
+    with open(os.path.join(ROOT, "recipes", "quickstart.yaml")) as f:
+        cfg = dict(yaml.safe_load(f)["model"]["config"])
+    cfg.pop("model_type")
+    shape = SHAPES["cpu"]
+    cfg["vocab_size"] = len(char_tokenizer())
+    cfg["max_position_embeddings"] = shape["prompt_len"] + shape["new_tokens"]
+    return cfg
+
+
+def build(device: str):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dtype = getattr(torch, SHAPES["cpu" if device == "cpu" else "cuda"]["dtype"])
+    torch.manual_seed(0)
+    cfg = Qwen2Config(pad_token_id=0, eos_token_id=None, bos_token_id=None, **model_config(device))
+    with torch.device(device):  # initialise in place: a CPU init of 0.5B parameters takes long
+        model = Qwen2ForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_engine(model, device: str, impl: str, rows: int, graphs: bool = True):
+    from miles_plugin_torch_engine.config import TorchEngineConfig
+    from miles_plugin_torch_engine.engine import TorchEngine
+
+    dtype = SHAPES["cpu" if device == "cpu" else "cuda"]["dtype"]
+    cfg = TorchEngineConfig(device=device, dtype=dtype, max_batch_size=rows, impl=impl, cuda_graphs=graphs)
+    return TorchEngine(cfg, spec=_Prebuilt(model), tokenizer=_Tok(), seed=0)
+
+
+def timed(fn, device: str) -> tuple[float, int]:
+    import torch
+
+    if device != "cpu":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    produced = fn()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, produced
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cuda 1, cpu 5)")
+    for key in ("prompts", "prompt_len", "new_tokens"):
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="override the shape")
+    args = ap.parse_args()
+    import torch
+    from miles import SamplingParams
+
+    device = args.device
+    shape = SHAPES["cpu" if device == "cpu" else "cuda"]
+    for key in ("prompts", "prompt_len", "new_tokens"):
+        shape[key] = getattr(args, key) or shape[key]
+    repeats = args.repeats or (5 if device == "cpu" else 1)
+    if device == "cpu":
+        torch.set_num_threads(1)  # a tiny model gains nothing from threads on a shared machine
+    model = build(device)
+    P, T, N = shape["prompts"], shape["prompt_len"], shape["new_tokens"]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, model.config.vocab_size, (P, T), generator=g)
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=N, seed=0)
+
+    def engine_run(eng):
+        groups = eng.generate(prompts.tolist(), params, n=1)
+        lengths = {len(c.token_ids) for grp in groups for c in grp}
+        assert lengths == {N}, f"engine produced lengths {lengths}"
+        return P * N
+
+    ids = prompts.to(device)
+
+    def hf_run(new_tokens=N):
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens)
+        assert out.shape == (P, T + new_tokens), out.shape
+        return P * new_tokens
+
+    sides = {"miles": make_engine(model, device, "fast", P)}
+    if device == "cpu":
+        sides["miles (impl hf)"] = make_engine(model, device, "hf", P)
+    else:  # what the CUDA graphs buy
+        sides["miles (no graphs)"] = make_engine(model, device, "fast", P, graphs=False)
+    times: dict[str, list[float]] = {name: [] for name in [*sides, "generate"]}
+    for eng in sides.values():
+        engine_run(eng)  # warm-up: allocates the KV cache, captures the CUDA graphs
+    hf_run(8)
+    for _ in range(repeats):
+        for name, eng in sides.items():
+            times[name].append(timed(lambda e=eng: engine_run(e), device)[0])
+        times["generate"].append(timed(hf_run, device)[0])
+    rate = {name: P * N / min(ts) for name, ts in times.items()}
+    where = torch.cuda.get_device_name(device) if device != "cpu" else "CPU, 1 thread"
+    print(f"{where}: {P} prompts x {T} tokens, {N} new tokens each, {shape['dtype']}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    for name, ts in times.items():
+        print(f"  {name:16s} {rate[name]:>12,.0f} tokens/s  (runs: {', '.join(f'{t:.2f}s' for t in ts)})")
+    print(f"engine_vs_hf tokens/s ratio: {rate['miles'] / rate['generate']:.1f}x "
+          f"(miles {rate['miles']:,.0f} vs generate {rate['generate']:,.0f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The fast path's scheduler: continuous batching over the preallocated KV cache.
+
+Requests are groups (a prompt and its ``n`` samples; ``n`` above the slot count is split). Waiting
+groups join between decode steps as soon as their rows fit: each is prefilled once, its keys and
+values copied into one cache row per sample. A row leaves when it has ``max_new_tokens`` tokens or
+has sampled a stop token; the last live rows then move into the holes so that live rows stay
+packed in ``[0, B)`` (the decode step works on plain slices, see ``cuda_graphs``). Sampling,
+stop checks and the per-token log-probs all stay on the device; the host reads the ``done`` flags
+only every ``sync_every`` steps on GPU (a stopped row decodes a few wasted steps, but the GPU never
+waits for Python), every step on CPU.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from miles import Completion, ConfigError, SamplingParams
+
+from .cuda_graphs import DecodeRunner
+from .fast import LlamaFamilyForward, unsupported_reason
+from .sampling import sample
+
+
+def select_fast_path(cfg: Any, model: torch.nn.Module, device: torch.device) -> FastGenerator | None:
+    """The fast generator the config asks for, or None for the generic HF path."""
+    if cfg.impl == "hf":
+        return None
+    reason = unsupported_reason(model)
+    if reason is not None:
+        if cfg.impl == "fast":
+            raise ConfigError([(f"engine.impl=fast cannot run this model: {reason}; "
+                                "set engine.impl=auto or hf to use the model's own forward")])
+        return None
+    if cfg.impl == "auto" and device.type != "cuda":
+        return None  # on CPU the HF path is the reference the fast path is tested against
+    return FastGenerator(cfg, model)
+
+
+def _round_up(x: int, step: int) -> int:
+    return -(-x // step) * step
+
+
+class _Rows:
+    """Per-row state of one ``generate`` call: device buffers indexed by cache row, host mirrors."""
+
+    def __init__(self, slots: int, steps: int, device: torch.device):
+        self.tokens = torch.zeros((slots, steps), dtype=torch.long, device=device)
+        self.logps = torch.zeros((slots, steps), dtype=torch.float32, device=device)
+        self.count = torch.zeros(slots, dtype=torch.long, device=device)   # tokens sampled
+        self.length = torch.zeros(slots, dtype=torch.long, device=device)  # up to the first stop
+        self.done = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.owner = [(0, 0)] * slots          # (prompt index, sample index)
+        self.start = np.zeros(slots, np.int64)  # decode step at which the row joined
+        self.plen = np.zeros(slots, np.int64)   # prompt length
+
+    def device_buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.logps, self.count, self.length, self.done
+
+    def move(self, dst: list[int], src: list[int]) -> None:
+        for d, s in zip(dst, src):
+            self.owner[d] = self.owner[s]
+        self.start[dst], self.plen[dst] = self.start[src], self.plen[src]
+
+
+class FastGenerator:
+    """``generate`` for Llama-family models: KV cache allocated once, continuous batching, CUDA
+    graphs for decode (on GPU), sampling on the device."""
+
+    def __init__(self, cfg: Any, model: torch.nn.Module):
+        self.cfg = cfg
+        self.fwd = LlamaFamilyForward(model)
+        self.runner = DecodeRunner(self.fwd, cfg.cuda_graphs)
+        self.cuda = self.fwd.device.type == "cuda"
+        self.sync_every = 8 if self.cuda else 1
+        self.stats: dict[str, int] = {}
+
+    def _size_cache(self, prompts: Sequence[Sequence[int]], steps: int) -> None:
+        need = max(len(p) for p in prompts) + steps
+        limit = self.cfg.max_seq_len
+        if limit is not None and need > limit:
+            raise ConfigError([(f"engine.max_seq_len={limit} is shorter than the longest prompt plus "
+                                f"max_new_tokens ({need}); raise engine.max_seq_len")])
+        length = limit or _round_up(need, DecodeRunner.LENGTH_STEP if self.cuda else 16)
+        self.fwd.allocate(self.cfg.max_batch_size, length)
+        self.fwd.refresh()
+        self.runner.prepare()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
+                 gen: torch.Generator, stop_ids: Sequence[int], version: int) -> list[list[Completion]]:
+        steps = params.max_new_tokens
+        if steps <= 0:
+            return [[Completion([], [], "length", version) for _ in range(n)] for _ in prompts]
+        self._size_cache(prompts, steps)
+        slots, dev = self.cfg.max_batch_size, self.fwd.device
+        self.params, self.gen, self.steps, self.version = params, gen, steps, version
+        self.stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
+        self.rows = _Rows(slots, steps, dev)
+        self.out: list[list[Completion | None]] = [[None] * n for _ in prompts]
+        self.stats = dict(prefills=0, prefilled_prompts=0, decode_steps=0, max_rows=0, joined_mid_decode=0)
+        queue = deque((i, s, min(slots, n - s)) for i in range(len(prompts)) for s in range(0, n, slots))
+        live, t = 0, 0
+        while queue or live:
+            check = t % self.sync_every == 0
+            while True:  # until nothing leaves and nothing joins: a group can stop at its first token
+                live = self._retire_finished(live, t, check)
+                joined = self._admit(queue, prompts, live, t)
+                if joined == live:
+                    break
+                live, check = joined, True
+                self.stats["max_rows"] = max(self.stats["max_rows"], live)
+            if live:
+                self._decode(live, t)
+                t += 1
+        self.stats["decode_steps"] = t
+        return self.out  # type: ignore[return-value]
+
+    def _retire_finished(self, live: int, t: int, check_done: bool) -> int:
+        """Retire rows with all their tokens and, when ``check_done`` (or a retirement syncs
+        anyway), rows that sampled a stop token."""
+        full = np.flatnonzero(self.rows.start[:live] == t - self.steps + 1).tolist()
+        if full or check_done:
+            done = torch.nonzero(self.rows.done[:live]).flatten().tolist()
+            full = sorted(set(full) | set(done))
+        return self._retire(full, live, t) if full else live
+
+    def _need(self, live: int, t: int) -> int:
+        """One more than the largest position fed at decode step ``t``."""
+        return int(t + (self.rows.plen[:live] - self.rows.start[:live]).max()) + 1
+
+    def _admit(self, queue: deque, prompts, live: int, t: int) -> int:
+        """Prefill waiting groups that fit into free rows (within the prefill token budget)."""
+        picked: list[tuple[int, int, int]] = []
+        rows, width = live, 0
+        while queue and rows + queue[0][2] <= self.cfg.max_batch_size:
+            w = max(width, len(prompts[queue[0][0]]))
+            if picked and w * (len(picked) + 1) > self.cfg.prefill_tokens:
+                break
+            picked.append(queue.popleft())
+            rows, width = rows + picked[-1][2], w
+        if not picked:
+            return live
+        dev, r = self.fwd.device, self.rows
+        ids = torch.zeros((len(picked), width), dtype=torch.long)
+        for j, (i, _, _) in enumerate(picked):
+            ids[j, :len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
+        plens = [len(prompts[i]) for i, _, _ in picked]
+        reps = torch.tensor([c for _, _, c in picked], device=dev)
+        new = torch.arange(live, rows, device=dev)
+        logits = self.fwd.prefill(ids.to(dev), torch.tensor(plens, device=dev), new, reps)
+        tok, lp = sample(logits.repeat_interleave(reps, dim=0), self.params, self.gen)
+        r.tokens[new, 0], r.logps[new, 0] = tok, lp
+        r.count[new], r.length[new] = 1, 1
+        r.done[new] = torch.isin(tok, self.stop)
+        self.runner.tok[new] = tok
+        self.runner.pos[new] = torch.tensor(plens, device=dev).repeat_interleave(reps)
+        k = live
+        for (i, first, count), plen in zip(picked, plens):
+            for j in range(count):
+                r.owner[k], r.start[k], r.plen[k] = (i, first + j), t, plen
+                k += 1
+        self.stats["prefills"] += 1
+        self.stats["prefilled_prompts"] += len(picked)
+        self.stats["joined_mid_decode"] += len(picked) if live > 0 else 0
+        return rows
+
+    def _decode(self, live: int, t: int) -> None:
+        r = self.rows
+        logits = self.runner.step(live, self._need(live, t))
+        tok, lp = sample(logits, self.params, self.gen)
+        at = torch.arange(live, device=tok.device)
+        col = r.count[:live]
+        r.tokens[at, col], r.logps[at, col] = tok, lp
+        r.length[:live] += ~r.done[:live]
+        r.done[:live] |= torch.isin(tok, self.stop)
+        r.count[:live] += 1
+        self.runner.tok[:live] = tok
+        self.runner.pos[:live] += 1
+
+    def _retire(self, rows: list[int], live: int, t: int) -> int:
+        """Hand back finished rows' completions and pack the live rows into ``[0, live')``."""
+        r, dev = self.rows, self.fwd.device
+        idx = torch.tensor(rows, device=dev)
+        tokens, logps = r.tokens[idx].tolist(), r.logps[idx].tolist()
+        length, done = r.length[idx].tolist(), r.done[idx].tolist()
+        for k, row in enumerate(rows):
+            i, j = r.owner[row]
+            n = length[k]
+            self.out[i][j] = Completion(tokens[k][:n], logps[k][:n], "stop" if done[k] else "length",
+                                        self.version)
+        left = live - len(rows)
+        gone = set(rows)
+        holes = [x for x in rows if x < left]
+        movers = [x for x in range(left, live) if x not in gone]
+        if holes:
+            need = self._need(live, t)
+            dst, src = torch.tensor(holes, device=dev), torch.tensor(movers, device=dev)
+            self.fwd.move_rows(dst, src, need)
+            for buf in r.device_buffers() + (self.runner.tok, self.runner.pos):
+                buf[dst] = buf[src]
+            r.move(holes, movers)
+        self.runner.scrub(left)
+        return left

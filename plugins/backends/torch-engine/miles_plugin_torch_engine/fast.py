@@ -1,0 +1,230 @@
+"""The fast path's model forward: Llama-family decoders (Llama, Qwen2, Qwen3, Mistral) run straight
+from the Hugging Face module's weights over a KV cache preallocated as ``[layers, slots, kv_heads,
+max_len, head_dim]``.
+
+One cache row ("slot") per sequence. Prefill runs right-padded prompts with causal SDPA (flash
+attention on GPU) and writes each prompt's keys/values into the ``n`` rows of its samples (the
+prompt is computed once per group). A decode step feeds one token per active row; rows are kept
+packed in ``[0, B)`` by the scheduler, so the step reads plain slices of the cache and has static
+shapes per (batch, length) bucket, which is what lets it be captured in a CUDA graph.
+
+Weights are read from the module at every call, except q|k|v and gate|up, which are fused into
+engine-owned copies refreshed at every ``generate``; ``weights_signature`` lets graph owners notice
+re-allocated parameters. Everything else (other architectures, LoRA-wrapped layers, dynamic RoPE, sliding
+windows) is refused by :func:`unsupported_reason` and served by the engine's generic HF path.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _sub(module: torch.nn.Module, dotted: str) -> Any:
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def _is_rms(m: Any) -> bool:
+    return isinstance(m, torch.nn.Module) and hasattr(m, "weight") and hasattr(m, "variance_epsilon")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why the fast path cannot run ``model`` exactly as its own forward would (None: it can)."""
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        return f"{name} is not one of {', '.join(SUPPORTED)}"
+    cfg, inner = model.config, getattr(model, "model", None)
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act={cfg.hidden_act!r} (only silu)"
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+        return "RoPE that changes with sequence length (dynamic/longrope) or no rotary_emb module"
+    window = getattr(cfg, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ["sliding_attention"])
+    if window is not None and sliding and window < cfg.max_position_embeddings:
+        return f"sliding-window attention (sliding_window={window})"
+    if type(model.lm_head) is not torch.nn.Linear or model.lm_head.bias is not None:
+        return "lm_head is not a plain bias-free nn.Linear"
+    if type(inner.embed_tokens) is not torch.nn.Embedding or not _is_rms(inner.norm):
+        return "embed_tokens / norm are not plain modules"
+    for i, layer in enumerate(inner.layers):
+        for lin in _LINEARS:  # e.g. peft's LoRA wrappers would be silently skipped otherwise
+            if type(_sub(layer, lin)) is not torch.nn.Linear:
+                return f"layers.{i}.{lin} is {type(_sub(layer, lin)).__name__}, not nn.Linear"
+        if not (_is_rms(layer.input_layernorm) and _is_rms(layer.post_attention_layernorm)):
+            return f"layers.{i} norms are not RMSNorm"
+    return None
+
+
+def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    # HF's Llama/Qwen2 op order, so half-precision rounding matches the trainer's forward
+    # (F.rms_norm is no faster on CPU: there it is a composite of the same steps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` with the sign of rotate_half folded into ``sin``
+    (``-a * s == a * -s`` exactly): one roll instead of two slices, a negation and a cat."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
+def _lin(x: torch.Tensor, mod: torch.nn.Linear) -> torch.Tensor:
+    return F.linear(x, mod.weight, mod.bias)
+
+
+class LlamaFamilyForward:
+    """Prefill and decode of a supported HF model over a preallocated KV cache."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.inner = model.model
+        attn = self.inner.layers[0].self_attn
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = attn.q_proj.out_features // self.heads
+        self.scale = getattr(attn, "scaling", self.head_dim ** -0.5)
+        self.qk_norm = hasattr(attn, "q_norm")  # Qwen3
+        self.k_cache = self.v_cache = self.cos = self.sin = None
+        self.slots = self.max_len = 0
+        self._fused: list[dict[str, Any]] = []
+        self._fused_layout: tuple = ()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    def weights_signature(self) -> tuple:
+        """Storage addresses of every weight read (a CUDA graph holds these addresses)."""
+        fused = [t.data_ptr() for f in self._fused for t in f.values() if t is not None]
+        return tuple(p.data_ptr() for p in self.model.parameters()) + tuple(fused)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Fused q|k|v and gate|up weights (one matmul each instead of three and two), copied from
+        the module's weights at every ``generate``: one pass over those weights, far cheaper than
+        any generation, and right however the weights were replaced (in place, ``.data = ``, or
+        a shared segment the trainer writes into)."""
+        layers = self.inner.layers
+        srcs = [[l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.mlp.gate_proj,
+                 l.mlp.up_proj] for l in layers]
+        layout = (self.dtype, self.device, tuple(m.weight.shape for m in srcs[0]))
+        if layout != self._fused_layout:
+            self._fused = [{} for _ in layers]  # new buffers; otherwise refill in place (graphs)
+            self._fused_layout = layout
+        for f, (q, k, v, g, u) in zip(self._fused, srcs):
+            self._fill(f, "qkv", [q.weight, k.weight, v.weight])
+            self._fill(f, "qkv_bias", [q.bias, k.bias, v.bias] if q.bias is not None else None)
+            self._fill(f, "gate_up", [g.weight, u.weight])
+            self._fill(f, "gate_up_bias", [g.bias, u.bias] if g.bias is not None else None)
+
+    @staticmethod
+    def _fill(fused: dict, key: str, parts: list | None) -> None:
+        if parts is None or any(p is None for p in parts):
+            fused[key] = None
+            return
+        if fused.get(key) is None:
+            fused[key] = torch.cat(parts)
+        else:
+            torch.cat(parts, out=fused[key])
+
+    def allocate(self, slots: int, max_len: int) -> None:
+        """The KV cache (``slots`` rows of ``max_len`` positions) and the RoPE table, once."""
+        if self.k_cache is not None and slots <= self.slots and max_len <= self.max_len:
+            return
+        slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
+        self.k_cache = self.v_cache = None  # free the old cache before taking the new one
+        shape = (len(self.inner.layers), slots, self.kv_heads, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # HF's own rotary module makes the table, so rope_theta / scaling types are taken as they are
+        pos = torch.arange(max_len, device=self.device)[None]
+        cos, sin = self.inner.rotary_emb(self.k_cache[0, 0, 0, :1], pos)
+        half = self.head_dim // 2
+        self.cos = cos[0].contiguous()
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # see _rope
+        self.slots, self.max_len = slots, max_len
+
+    def _qkv(self, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             heads_dim: int) -> tuple[torch.Tensor, ...]:
+        """Rotated q, k and plain v of layer ``li``, heads on dim ``heads_dim`` of the output."""
+        f, H, KV = self._fused[li], self.heads, self.kv_heads
+        qkv = F.linear(x, f["qkv"], f["qkv_bias"]).unflatten(-1, (H + 2 * KV, self.head_dim))
+        if heads_dim != qkv.dim() - 2:
+            qkv = qkv.transpose(heads_dim, qkv.dim() - 2)
+        q, k, v = qkv.split([H, KV, KV], dim=heads_dim)
+        if self.qk_norm:
+            attn = self.inner.layers[li].self_attn
+            return _rope(_rms(q, attn.q_norm), cos, sin), _rope(_rms(k, attn.k_norm), cos, sin), v
+        qk = _rope(qkv.narrow(heads_dim, 0, H + KV), cos, sin)  # q and k rotated in one go
+        return qk.narrow(heads_dim, 0, H), qk.narrow(heads_dim, H, KV), v
+
+    def _mlp(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        layer, f = self.inner.layers[li], self._fused[li]
+        gate, up = F.linear(_rms(h, layer.post_attention_layernorm), f["gate_up"],
+                            f["gate_up_bias"]).chunk(2, dim=-1)
+        return h + _lin(F.silu(gate) * up, layer.mlp.down_proj)
+
+    def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        h = _rms(h, self.inner.norm)
+        w = self.model.lm_head.weight
+        return torch.mm(h, w.t(), out=out) if out is not None else h @ w.t()
+
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                repeats: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts ``ids [P, T]``; write prompt ``i``'s keys/values into cache rows
+        ``rows[sum(repeats[:i]) : sum(repeats[:i+1])]``; return the last-token logits ``[P, V]``."""
+        P, T = ids.shape
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.cos[:T], self.sin[:T]
+        for li, layer in enumerate(self.inner.layers):
+            q, k, v = self._qkv(li, _rms(h, layer.input_layernorm), cos, sin, heads_dim=1)
+            # right padding: causal attention alone keeps real tokens off the pads (no mask needed)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.kv_heads != self.heads)
+            self.k_cache[li, rows, :, :T] = k.repeat_interleave(repeats, dim=0)
+            self.v_cache[li, rows, :, :T] = v.repeat_interleave(repeats, dim=0)
+            h = h + _lin(o.transpose(1, 2).reshape(P, T, -1), layer.self_attn.o_proj)
+            h = self._mlp(li, h)
+        last = h[torch.arange(P, device=h.device), lengths - 1]
+        return self.logits(last)
+
+    def decode(self, tok: torch.Tensor, pos: torch.Tensor, length: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per cache row ``0..B-1`` (``tok``/``pos``: ``[B]``), attending to cache positions
+        ``< length`` that are ``<= pos``; returns logits ``[B, V]`` (written into ``out`` if given)."""
+        B = tok.shape[0]
+        rows = torch.arange(B, device=tok.device)
+        h = self.inner.embed_tokens(tok)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        mask = (torch.arange(length, device=tok.device) <= pos[:, None])[:, None, None]
+        group = self.heads // self.kv_heads
+        for li, layer in enumerate(self.inner.layers):
+            q, k, v = self._qkv(li, _rms(h, layer.input_layernorm), cos, sin, heads_dim=1)
+            self.k_cache[li, rows, :, pos] = k
+            self.v_cache[li, rows, :, pos] = v
+            # the query heads sharing a KV head become that head's query rows (GQA without copies)
+            o = F.scaled_dot_product_attention(
+                q.reshape(B, self.kv_heads, group, self.head_dim), self.k_cache[li, :B, :, :length],
+                self.v_cache[li, :B, :, :length], attn_mask=mask, scale=self.scale)
+            h = h + _lin(o.reshape(B, -1), layer.self_attn.o_proj)
+            h = self._mlp(li, h)
+        return self.logits(h, out)
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
+        """Copy cache rows ``src`` onto ``dst`` (positions ``< length``): keeps live rows packed."""
+        self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
+        self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
