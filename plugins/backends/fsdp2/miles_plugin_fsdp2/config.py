@@ -6,16 +6,26 @@ from pydantic import BaseModel, ConfigDict, Field
 class FSDP2Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    world_size: Literal[1] = Field(1, description="trainer ranks (multi-rank FSDP2 needs a launcher; "
-                                                  "only 1 is supported so far)")
-    device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
+    world_size: int | None = Field(None, ge=1, description="trainer ranks; null = follow the launcher "
+                                   "(env WORLD_SIZE, default 1). A value that disagrees with the "
+                                   "launcher is an error")
+    device: str = Field("cpu", description="cpu, cuda, cuda:N or auto (with several ranks, cuda and "
+                                           "auto mean cuda:LOCAL_RANK)")
+    shard: bool | None = Field(None, description="FSDP2 fully_shard the model; null = only when "
+                               "world_size > 1 (world size 1 stays plain torch); true also at world "
+                               "size 1, e.g. for FSDP2 mixed precision on one GPU")
+    mixed_precision: Literal["bf16", "fp32"] | None = Field(
+        "bf16", description="when sharded on CUDA: bf16 = FSDP2 MixedPrecisionPolicy (bf16 compute, "
+                            "fp32 master weights and gradient reduce); fp32 or null = full precision. "
+                            "Ignored on CPU and by the unsharded world-size-1 path")
     lr: float = Field(1e-4, gt=0, description="AdamW peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm (null = off)")
-    micro_batch_size: int | None = Field(None, gt=0, description="rows per forward/backward "
-                                         "(gradient accumulation); null = the whole batch at once")
+    micro_batch_size: int | None = Field(None, gt=0, description="rows per forward/backward on each "
+                                         "rank (gradient accumulation); null = a rank's whole share "
+                                         "at once")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up, in optimizer steps")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed LR, as a fraction of lr")

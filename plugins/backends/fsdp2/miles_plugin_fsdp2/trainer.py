@@ -1,4 +1,6 @@
-"""A single-rank trainer over a Hugging Face causal LM: AdamW, clipping, micro-batches, LR schedule.
+"""The fsdp2 trainer over a Hugging Face causal LM: AdamW, clipping, micro-batches, LR schedule.
+World size 1 is plain torch; more ranks shard every transformer block with FSDP2 (``dist.py``)
+and checkpoint through torch.distributed.checkpoint (``checkpoint.py``).
 
 Log-probs are computed only over the response region (``logits_to_keep``), so the LM head never
 materialises logits for the prompt.
@@ -7,26 +9,33 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import math
-import os
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from miles import Batch
+from miles import Batch, MilesError
 
+from . import dist as dist_
 from .config import FSDP2Config
 
 
-def response_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def response_logprobs(model: torch.nn.Module, batch: Batch, shared: bool | None = None) -> torch.Tensor:
     """``[B, R]`` log-probs of the response tokens, logits divided by the rollout temperature.
 
     A rollout batch holds each prompt n times in a row; then the prompt is run once and its KV
     cache shared by its n samples (gradients flow back through the shared cache), which cuts
     the tokens processed by up to half for short responses. Otherwise one plain forward.
+    ``shared``: force the choice (ranks of a sharded model must all make the same number of
+    forward calls); None = shared when prompts repeat twice on average.
     """
-    n = _group_size(batch)
-    logits = _shared_prompt_logits(model, batch, n) if n > 1 else _full_logits(model, batch)
+    runs = _runs(batch)
+    if shared is None:
+        shared = 2 * len(runs) <= len(batch)
+    if batch.attention_mask.dim() != 2:  # a prepared 4-D mask (packed rows) has no prompt to share
+        shared = False
+    logits = _shared_prompt_logits(model, batch, runs) if shared else _full_logits(model, batch)
     if batch.temperature != 1.0:
         logits = logits / batch.temperature
     targets = batch.input_ids[:, batch.prompt_len:]
@@ -41,31 +50,49 @@ def _full_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return out.logits[:, :-1].float()
 
 
-def _shared_prompt_logits(model: torch.nn.Module, batch: Batch, n: int) -> torch.Tensor:
+def _shared_prompt_logits(model: torch.nn.Module, batch: Batch, runs: list[int]) -> torch.Tensor:
     P, L = batch.prompt_len, batch.input_ids.shape[1]
     kw = _cache_kwarg(model)
-    out = model(input_ids=batch.input_ids[::n, :P], attention_mask=batch.attention_mask[::n, :P],
-                position_ids=batch.position_ids[::n, :P], use_cache=True, logits_to_keep=1)
-    first = out.logits[:, -1:].float().repeat_interleave(n, dim=0)  # predicts response token 0
+    n = runs[0]
+    uniform = all(r == n for r in runs)
+    dev = batch.input_ids.device
+    # one row per run of identical prompts: every n-th row for whole groups, else each run's first
+    rows = slice(None, None, n) if uniform else torch.tensor([0, *itertools.accumulate(runs)][:-1], device=dev)
+    out = model(input_ids=batch.input_ids[rows, :P], attention_mask=batch.attention_mask[rows, :P],
+                position_ids=batch.position_ids[rows, :P], use_cache=True, logits_to_keep=1)
+    reps = n if uniform else torch.tensor(runs, device=dev)
+    first = out.logits[:, -1:].float().repeat_interleave(reps, dim=0)  # predicts response token 0
     if L - P == 1:
         return first
     cache = getattr(out, kw)
-    cache.batch_repeat_interleave(n)
+    if uniform:
+        cache.batch_repeat_interleave(n)
+    else:
+        cache.batch_select_indices(torch.arange(len(runs), device=dev).repeat_interleave(reps))
     rest = model(input_ids=batch.input_ids[:, P:L - 1], attention_mask=batch.attention_mask[:, :L - 1],
                  position_ids=batch.position_ids[:, P:L - 1], use_cache=True, **{kw: cache})
     return torch.cat([first, rest.logits.float()], dim=1)
 
 
+def _runs(batch: Batch) -> list[int]:
+    """Lengths of the runs of consecutive rows with the same prompt (all 1 without samples)."""
+    return prompt_runs(batch.samples) if len(batch.samples) == len(batch) else [1] * len(batch)
+
+
+def prompt_runs(s: list[Any]) -> list[int]:
+    runs: list[int] = []
+    for i, x in enumerate(s):
+        if i and x.prompt_ids == s[i - 1].prompt_ids:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
+
+
 def _group_size(batch: Batch) -> int:
     """n when rows come in runs of n (> 1) identical prompts, else 1."""
-    s = batch.samples
-    n = 1
-    while n < len(s) and s[n].prompt_ids == s[0].prompt_ids:
-        n += 1
-    if n == 1 or len(s) % n:
-        return 1
-    same = all(s[i].prompt_ids == s[i - i % n].prompt_ids for i in range(len(s)))
-    return n if same else 1
+    runs = _runs(batch)
+    return runs[0] if runs[0] > 1 and all(r == runs[0] for r in runs) else 1
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -86,82 +113,231 @@ def _lr_lambda(cfg: FSDP2Config, total: int) -> Callable[[int], float]:
 
 
 class FSDP2Trainer:
+    """SPMD: with several ranks every rank builds this with the same config and is called with
+    the same global batches; collectives (``train_step``, ``logprobs``, ``named_weights``,
+    ``load_weights``, ``snapshot_reference``, ``save``, ``load``) must be called on every rank."""
+
+    # the exact routine train_step scores log-probs with: true on-policy engines apply it to their
+    # own copy of the weights, so rollout and training log-probs agree bit for bit
+    response_logprobs = staticmethod(response_logprobs)
+
     def __init__(self, cfg: FSDP2Config, *, spec: Any, tokenizer: Any, seed: int = 0,
                  total_steps: int = 0, **_):
-        self.cfg = cfg
-        dev = cfg.device
-        self.device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available() else
-                                   ("cpu" if dev == "auto" else dev))
-        torch.manual_seed(seed)
-        self.model = spec.build_model(tokenizer).to(self.device).train()
+        self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
+        self.rank, local_rank, self.world_size = dist_.world_from_env(cfg.world_size)
+        self.device = _pick_device(cfg.device, local_rank, self.world_size)
+        self.sharded = self.world_size > 1 if cfg.shard is None else cfg.shard
+        if self.world_size > 1 and not self.sharded:
+            raise MilesError(f"trainer.shard=false needs world size 1 (this run has {self.world_size} "
+                             f"ranks); remove trainer.shard")
+        if self.sharded:
+            dist_.init_group(self.device, self.world_size)
+        torch.manual_seed(seed)  # the same seed on every rank: identical initial weights
+        self.model = self._place(spec.build_model(tokenizer)).train()
         self.ref: torch.nn.Module | None = None
         # fused AdamW is one kernel per step instead of several per parameter (CPU and CUDA)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _lr_lambda(cfg, total_steps))
 
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        if self.sharded:
+            dist_.shard(model, self.device, self.cfg.mixed_precision)
+        return model
+
     def _to(self, batch: Batch) -> Batch:
         if self.device.type == "cpu":
             return batch
         return _move(batch, self.device)
+
+    # -- collectives the kernel loop uses ----------------------------------------------------------
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from rank ``src`` on every rank (pickled over gloo, also when the model's group
+        is NCCL); the identity at world size 1."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        torch.distributed.broadcast_object_list(box, src=src, group=dist_.object_group())
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier(group=dist_.object_group())
+
+    def reshard(self) -> None:
+        """Free the root's gathered weights (FSDP2 keeps them after a forward without backward),
+        so the next forward, state dict or weight load sees the sharded parameters."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in (self.model, self.ref):
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    # -- micro-batches -----------------------------------------------------------------------------
+    def _plan(self, batch: Batch) -> tuple[list[tuple[Batch, bool, bool | None]], list[int]]:
+        """This rank's micro-batches as ``(batch, real, shared)``, and every rank's row count.
+
+        With several ranks each takes its slice of the global batch (global loss denominators
+        kept); all ranks run the same number of micro-batches with the same kind of forward, since
+        FSDP's gathers must line up; a rank out of rows runs a zero-weight dummy row instead.
+        """
+        size = self.cfg.micro_batch_size
+        if self.world_size == 1:
+            micro = batch.split(size) if size and size < len(batch) else [batch]
+            return [(mb, True, None) for mb in micro], [len(batch)]
+        slices = dist_.rank_slices(batch.samples, self.world_size)
+        chunks = [[list(r[i:i + (size or len(r))]) for i in range(0, len(r), size or max(len(r), 1))]
+                  for r in slices]
+        plan = []
+        for k in range(max(1, max(len(c) for c in chunks))):
+            shared = any(k < len(c) and 2 * len(prompt_runs([batch.samples[i] for i in c[k]])) <= len(c[k])
+                         for c in chunks)
+            own = chunks[self.rank][k] if k < len(chunks[self.rank]) else None
+            plan.append((batch.select(own or [0]), own is not None, shared))
+        return plan, [len(r) for r in slices]
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, which: str = "policy") -> torch.Tensor:
         model = self.ref if which == "ref" else self.model
         if model is None:
             raise RuntimeError("reference log-probs requested before snapshot_reference()")
-        size = self.cfg.micro_batch_size or len(batch)
-        return torch.cat([response_logprobs(model, self._to(mb)).cpu() for mb in batch.split(size)])
+        if self.world_size == 1:
+            size = self.cfg.micro_batch_size or len(batch)
+            out = torch.cat([response_logprobs(model, self._to(mb)).cpu() for mb in batch.split(size)])
+            self.reshard()
+            return out
+        plan, counts = self._plan(batch)
+        parts = [lp for mb, real, shared in plan
+                 for lp in [response_logprobs(model, self._to(mb), shared)] if real]
+        self.reshard()
+        R = batch.input_ids.shape[1] - batch.prompt_len
+        local = torch.cat(parts) if parts else torch.zeros(0, R, device=self.device)
+        return dist_.gather_rows(local, counts).cpu()
 
     def train_step(self, batch: Batch, loss_fn) -> dict[str, float]:
-        size = self.cfg.micro_batch_size or len(batch)
-        micro = batch.split(size) if size < len(batch) else [batch]
         totals: dict[str, float] = {}
         loss_sum = 0.0
-        for mb in micro:
+        for mb, real, shared in self._plan(batch)[0]:
             mb = self._to(mb)
-            loss, metrics = loss_fn(mb, response_logprobs(self.model, mb))
+            lp = response_logprobs(self.model, mb, shared)
+            if not real:
+                (lp * 0).sum().backward()  # joins the ranks' gradient reduce-scatter, adds nothing
+                continue
+            loss, metrics = loss_fn(mb, lp)
             loss.backward()
             loss_sum += float(loss.detach())
-            w = len(mb) / len(batch)
+            w = len(mb) / len(batch)  # row weight in the global batch: ranks' sums add up
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * w
-        if self.cfg.grad_clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        else:
-            norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
-        totals.update(loss=loss_sum, grad_norm=float(norm), lr=self.sched.get_last_lr()[0])
+        if self.world_size > 1:
+            # the key has a space so no loss_fn metric can collide with it
+            totals = dist_.sum_metrics({**totals, " loss": loss_sum})
+            loss_sum = totals.pop(" loss")
+        totals.update(loss=loss_sum, grad_norm=self._clip(), lr=self.sched.get_last_lr()[0])
         self.optim.step()
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)
         return totals
 
+    def _clip(self) -> float:
+        """Global gradient norm (before clipping); clips it to ``grad_clip`` if set."""
+        params = list(self.model.parameters())
+        if self.cfg.grad_clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        elif self.sharded:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        else:
+            norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None))
+        return float(_full(norm))
+
+    # -- weights -----------------------------------------------------------------------------------
     def snapshot_reference(self) -> None:
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if not self.sharded:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+            return
+        with torch.random.fork_rng(devices=[]):  # building a model must not move the training RNG
+            ref = self._place(self.spec.build_model(self.tokenizer))
+        ref.eval().requires_grad_(False)
+        self.reshard()
+        mine, theirs = self.model.state_dict(), ref.state_dict()
+        assert list(mine) == list(theirs), "reference built with other weight names"
+        with torch.no_grad():  # same sharding on both: a local copy per rank, no communication
+            for name, t in mine.items():
+                _local(theirs[name]).copy_(_local(t))
+        self.ref = ref
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF names and full tensors, one at a time (each gathered from the ranks' shards just
+        before it is yielded), on every rank."""
+        if not self.sharded:
+            for name, t in self.model.state_dict().items():
+                yield name, t.detach()
+            return
+        self.reshard()
         for name, t in self.model.state_dict().items():
-            yield name, t.detach()
+            yield name, _full(t).detach()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_state_dict(dict(named_tensors), strict=True)
+        """Full tensors in HF names (the same on every rank); each rank keeps its shard."""
+        if not self.sharded:
+            self.model.load_state_dict(dict(named_tensors), strict=True)
+            return
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        self.reshard()
+        state, seen = self.model.state_dict(), set()
+        with torch.no_grad():
+            for name, full in named_tensors:
+                if name not in state:
+                    raise MilesError(f"load_weights: {name!r} is not a weight of this model "
+                                     f"(expected Hugging Face names such as {next(iter(state))!r})")
+                dst = state[name]
+                if isinstance(dst, DTensor):
+                    # every rank holds the full tensor: cut this rank's chunk locally, no scatter
+                    full = distribute_tensor(full.detach().to(dst.device, dst.dtype), dst.device_mesh,
+                                             dst.placements, src_data_rank=None)
+                _local(dst).copy_(_local(full))
+                seen.add(name)
+        if len(seen) < len(state):
+            raise MilesError(f"load_weights: missing weights {sorted(set(state) - seen)[:5]}")
 
     def save(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-        state = {"model": self.model.state_dict(), "optim": self.optim.state_dict(),
-                 "sched": self.sched.state_dict(), "ref": self.ref.state_dict() if self.ref else None,
-                 "rng": torch.get_rng_state()}
-        torch.save(state, os.path.join(path, "trainer.pt"))
+        """Collective: every rank with the same ``path`` (torch.distributed.checkpoint)."""
+        from . import checkpoint
+
+        checkpoint.save(self, path)
 
     def load(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "trainer.pt"), map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optim.load_state_dict(state["optim"])
-        self.sched.load_state_dict(state["sched"])
-        if state["ref"] is not None:
-            self.snapshot_reference()
-            self.ref.load_state_dict(state["ref"])
-        torch.set_rng_state(state["rng"])
+        """Collective; the checkpoint may come from another world size."""
+        from . import checkpoint
+
+        checkpoint.load(self, path)
+
+
+def _pick_device(name: str, local_rank: int, world: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None and world > 1:
+        dev = torch.device("cuda", local_rank)  # torchrun: one GPU per local rank
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _move(batch: Batch, device: torch.device) -> Batch:

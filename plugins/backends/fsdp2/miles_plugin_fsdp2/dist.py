@@ -1,0 +1,133 @@
+"""Process group, FSDP2 sharding and the collectives of the fsdp2 trainer.
+
+SPMD, torchrun-style: every rank is its own process and sees the same global batch; a rank's
+share is decided from that batch alone, so ranks agree on it without talking.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from miles import MilesError
+
+# one gloo group per default process group, for Python objects and barriers: a second trainer in
+# the same process (warm start -> RL) reuses it instead of creating another
+_OBJECT_GROUPS: dict[int, Any] = {}
+
+
+def world_from_env(configured: int | None) -> tuple[int, int, int]:
+    """``(rank, local_rank, world_size)`` from an initialised group or the launcher's env."""
+    if dist.is_available() and dist.is_initialized():
+        world, rank, source = dist.get_world_size(), dist.get_rank(), "the initialised process group"
+    else:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        source = "env WORLD_SIZE" if "WORLD_SIZE" in os.environ else "the default (no WORLD_SIZE set)"
+    if configured is not None and configured != world:
+        raise MilesError(f"trainer.world_size={configured} but {source} says {world} rank(s); set "
+                         f"trainer.world_size=null to follow the launcher, or launch {configured} "
+                         f"ranks (e.g. torchrun --nproc-per-node {configured} or launcher.ranks)")
+    return rank, int(os.environ.get("LOCAL_RANK", rank)), world
+
+
+def init_group(device: torch.device, world: int) -> None:
+    """Join (or create) the default process group: NCCL on CUDA, gloo on CPU. Idempotent."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        # a one-rank group (sharding asked for at world size 1) needs no rendezvous
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+        return
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise MilesError(f"the fsdp2 trainer runs {world} ranks but env {', '.join(missing)} is not "
+                         f"set; start every rank with torchrun or the local launcher")
+    dist.init_process_group(backend, **kw)
+
+
+def object_group() -> Any:
+    """A gloo group over the whole world (the default one if it already is gloo)."""
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _OBJECT_GROUPS:
+        _OBJECT_GROUPS[key] = dist.new_group(backend="gloo")
+    return _OBJECT_GROUPS[key]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, found generically: HF's ``_no_split_modules`` class names, else
+    any module whose class name ends with DecoderLayer (works through peft wrappers too)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    return found or [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def shard(model: torch.nn.Module, device: torch.device, mixed_precision: str | None) -> None:
+    """``fully_shard`` each block, then the root (embeddings, final norm, LM head), in place.
+
+    Gradients are SUMMED across ranks (divide factor 1): each rank's loss already is its share of
+    the global mean (``Batch.global_tokens``), so the sum is the one-rank gradient.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda" and mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            # older torch only has the deprecated name
+            (getattr(m, "set_gradient_divide_factor", None) or m.set_reduce_scatter_divide_factor)(1.0)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                # a plain SUM: gloo has no PREMUL_SUM, the op FSDP picks for a custom factor
+                m.set_force_sum_reduction_for_comms(True)
+
+
+def rank_slices(samples: Sequence[Any], world: int) -> list[range]:
+    """Contiguous, balanced row ranges, one per rank.
+
+    A cut moves to the nearest change of prompt when that shifts it by at most a quarter of a
+    rank's share, so runs of one prompt (a rollout group) stay on one rank and share their KV
+    cache; otherwise the run is split and both ranks run its prompt. Ranks past the end of a
+    batch smaller than the world get empty ranges.
+    """
+    B = len(samples)
+    starts = [i for i in range(1, B) if samples[i].prompt_ids != samples[i - 1].prompt_ids]
+    slack = B // (4 * world)
+    cuts = [0]
+    for k in range(1, world):
+        ideal = round(k * B / world)
+        near = [b for b in starts if abs(b - ideal) <= slack and b > cuts[-1]]
+        cuts.append(max(cuts[-1], min(near, key=lambda b: (abs(b - ideal), b)) if near else ideal))
+    cuts.append(B)
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def gather_rows(local: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Concatenate every rank's ``[counts[r], ...]`` rows in rank order, on every rank."""
+    m = max(max(counts), 1)
+    padded = local.new_zeros((m, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+def sum_metrics(local: dict[str, float]) -> dict[str, float]:
+    """Per key, the sum over ranks (a rank that lacks a key adds 0); identical on every rank."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, local, group=object_group())
+    out: dict[str, float] = {}
+    for d in every:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
