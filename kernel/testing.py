@@ -124,7 +124,7 @@ class EngineProcess:
         self._proc.start()
         child.close()
         self._lock = threading.Lock()  # transports may call from several threads
-        self._call("__ready__")
+        self._methods, self._attrs = self._call("__ready__")
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
@@ -135,13 +135,12 @@ class EngineProcess:
         return value
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self._call(name, *args, **kwargs)
-
-    @property
-    def weight_version(self) -> int:
-        return self._call("__getattr__", "weight_version")
+        # only what the child's engine has: transports probe engines with hasattr()
+        if name in self.__dict__.get("_methods", ()):
+            return lambda *args, **kwargs: self._call(name, *args, **kwargs)
+        if name in self.__dict__.get("_attrs", ()):
+            return self._call("__getattr__", name)
+        raise AttributeError(name)
 
     def corrupt_after_updates(self, name: str | None) -> None:
         self._call("__corrupt__", name)
@@ -167,7 +166,9 @@ def _engine_process_main(conn: Any, name: str, settings: dict, spec: Any, seed: 
         method, args, kwargs = msg
         try:
             if method == "__ready__":
-                value = None
+                public = [n for n in dir(engine) if not n.startswith("_") and n != "remote"]
+                value = ([n for n in public if callable(getattr(engine, n))],
+                         [n for n in public if not callable(getattr(engine, n))])
             elif method == "__getattr__":
                 value = getattr(engine, args[0])
             elif method == "__corrupt__":

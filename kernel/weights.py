@@ -260,16 +260,16 @@ def new_group(store: Any, rank: int, world_size: int, group_name: str, backend: 
     """
     import torch.distributed as dist
 
+    if backend not in ("gloo", "nccl"):
+        raise MilesError(f"weight sync: unknown backend {backend!r} (use 'gloo' or 'nccl')")
     prefixed = dist.PrefixStore(f"miles/{group_name}/", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, int(rank), int(world_size), timedelta(seconds=timeout_s))
-    if backend == "nccl":
-        if not dist.is_nccl_available():
-            raise MilesError("weight sync: backend 'nccl' needs a CUDA build of torch")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
-    raise MilesError(f"weight sync: unknown backend {backend!r} (use 'gloo' or 'nccl')")
+    if not dist.is_nccl_available():
+        raise MilesError("weight sync: backend 'nccl' needs a CUDA build of torch")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
 
 
 def broadcast(group: Any, t: "torch.Tensor", root: int = 0, check: Any = None) -> None:

@@ -98,8 +98,9 @@ class WeightReceiver:
 
     # -- checksums -------------------------------------------------------------------------------
     def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str]:
-        """blake2b-128 of each named tensor's bytes (all parameters and buffers when ``None``)."""
-        names = list(self._targets) if names is None else list(names)
+        """blake2b-128 of each named tensor's bytes (``None``: every tensor of the model's state
+        dict, i.e. what a trainer sends; non-persistent buffers such as RoPE tables are left out)."""
+        names = list(self.model.state_dict()) if names is None else list(names)
         missing = [n for n in names if n not in self._targets]
         if missing:
             raise MilesError(f"torch engine: no parameter or buffer named {missing[0]!r}")

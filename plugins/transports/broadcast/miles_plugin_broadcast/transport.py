@@ -60,16 +60,20 @@ class BroadcastTransport:
                 "weight_sync_connect_seconds": connect}
 
     def _connect(self, engines: Sequence[Any], first: Any) -> None:
-        """A new group: this process is rank 0 and hosts the store, engine i joins as 1 + i."""
+        """A new group: this process is rank 0 and hosts the store; the engines take the next
+        ranks in order, ``engine.num_weight_ranks`` each (a client of several servers: one per
+        server, from its ``rank_offset`` on; 1 when the attribute is absent)."""
         self.close()
         cfg = self.cfg
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if first.is_cuda else "gloo")
-        world = 1 + len(engines)
+        sizes = [int(getattr(e, "num_weight_ranks", 1)) for e in engines]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
+        world = 1 + sum(sizes)
         store = W.open_store(cfg.master_address, cfg.master_port, world, is_master=True,
                              timeout_s=cfg.timeout_s)
         name = f"miles-broadcast-{secrets.token_hex(4)}"
         joins = [lambda e=e, i=i: e.init_weights_update_group(
-            master_address=cfg.master_address, master_port=store.port, rank_offset=1 + i,
+            master_address=cfg.master_address, master_port=store.port, rank_offset=offsets[i],
             world_size=world, group_name=name, backend=backend) for i, e in enumerate(engines)]
         # our own join runs on a thread too, so an engine that fails at once fails the sync at
         # once instead of after the rendezvous timeout

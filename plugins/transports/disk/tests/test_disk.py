@@ -189,3 +189,57 @@ def test_registration_is_lazy_and_out_dir_sets_the_default_dir(tmp_path):
     shutil.rmtree(os.path.dirname(default))
     with pytest.raises(ValueError):
         DiskSyncConfig(shard_gb=1)
+
+
+# -- an engine in another process: update_weights_from_disk ---------------------------------------
+from miles import SamplingParams  # noqa: E402
+from miles import weights as W  # noqa: E402
+from miles.testing import EngineProcess, TinySpec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine_process():
+    engine = EngineProcess(spec=TinySpec(seed=0))
+    yield engine
+    engine.close()
+
+
+def greedy(engine):
+    out = engine.generate([[2, 5, 6, 7], [2, 9]], SamplingParams(max_new_tokens=6, temperature=0))
+    return [c[0].token_ids for c in out]
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_engine_process_loads_every_version_bit_exactly(tmp_path, engine_process, delta):
+    from miles.testing import char_tokenizer
+    from miles_plugin_torch_engine.config import TorchEngineConfig
+    from miles_plugin_torch_engine.engine import TorchEngine
+
+    policy = TinySpec(seed=1).build_model(char_tokenizer())
+    trainer = type("T", (), {"named_weights": lambda self: iter(policy.state_dict().items())})()
+    reference = TorchEngine(TorchEngineConfig(), spec=TinySpec(seed=0), tokenizer=char_tokenizer())
+    t = transport(tmp_path, verify=True, delta=delta)
+    for version in (1, 2):
+        m = t.sync(trainer, [engine_process], version)
+        assert engine_process.weight_version == version and m["weight_sync_load_seconds"] > 0
+        want = {n: W.checksum(x) for n, x in policy.state_dict().items()}
+        assert engine_process.weight_checksums(list(want)) == want
+        reference.load_weights(list(trainer.named_weights()), version)
+        assert greedy(engine_process) == greedy(reference)
+        with torch.no_grad():
+            policy.model.layers[0].mlp.up_proj.weight.add_(0.01)  # delta: only this one is rewritten
+    if delta:  # version 2 rewrote the one tensor that changed; the engine read the rest from v1
+        assert m["weight_sync_tensors_written"] == 1
+
+
+def test_verify_names_the_tensor_an_engine_process_got_wrong(tmp_path, engine_process):
+    from miles.testing import char_tokenizer
+
+    policy = TinySpec(seed=1).build_model(char_tokenizer())
+    trainer = type("T", (), {"named_weights": lambda self: iter(policy.state_dict().items())})()
+    engine_process.corrupt_after_updates("model.norm.weight")
+    try:
+        with pytest.raises(MilesError, match=r"engine tensor model\.norm\.weight"):
+            transport(tmp_path, verify=True).sync(trainer, [engine_process], version=3)
+    finally:
+        engine_process.corrupt_after_updates(None)

@@ -1,0 +1,146 @@
+import time
+
+import pytest
+import torch
+
+from miles import MilesError, SamplingParams
+from miles import weights as W
+from miles.testing import EngineProcess, TinySpec, assert_lazy_registration, char_tokenizer
+from miles_plugin_broadcast.config import BroadcastSyncConfig
+from miles_plugin_broadcast.transport import BroadcastTransport
+
+
+@pytest.fixture(scope="module")
+def engine_process():
+    engine = EngineProcess(spec=TinySpec(hidden=64, seed=0))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """An in-process torch engine: the same weights loaded by reference must generate the same."""
+    from miles import make_plugin_manager
+
+    pm = make_plugin_manager()
+    cfg = pm.registry("engines")["torch"].config()
+    return pm.create("engines", "torch", cfg, spec=TinySpec(hidden=64, seed=0), tokenizer=char_tokenizer())
+
+
+class Policy:
+    """A trainer double over a tiny Qwen2 (tied embeddings); ``step()`` changes every weight."""
+
+    def __init__(self, seed=1):
+        self.model = TinySpec(hidden=64, seed=seed).build_model(char_tokenizer())
+
+    def named_weights(self):
+        return iter(self.model.state_dict().items())
+
+    def step(self):
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.mul_(1.01).add_(0.001)
+
+
+def greedy(engine):
+    out = engine.generate([[2, 5, 6, 7], [2, 9]], SamplingParams(max_new_tokens=6, temperature=0))
+    return [c[0].token_ids for c in out]
+
+
+# pack_mb: the default (everything of this tiny model packed), a mix of packed and direct
+# tensors (1 KiB), and SGLang's one broadcast per tensor (0)
+@pytest.mark.parametrize("pack_mb", [None, 1 / 1024, 0])
+def test_engine_process_gets_every_version_bit_exactly(engine_process, reference, pack_mb):
+    policy = Policy()
+    transport = BroadcastTransport(BroadcastSyncConfig(verify=True, pack_mb=pack_mb, timeout_s=60))
+    for version in (1, 2):
+        m = transport.sync(policy, [engine_process], version)
+        assert engine_process.weight_version == version
+        assert m["weight_sync_bytes"] == sum(W.nbytes(t) for _, t in policy.named_weights())
+        assert (m["weight_sync_connect_seconds"] > 0) == (version == 1)  # one group, reused
+        want = {n: W.checksum(t) for n, t in policy.named_weights()}
+        assert engine_process.weight_checksums(list(want)) == want
+        reference.load_weights(list(policy.named_weights()), 0)
+        assert greedy(engine_process) == greedy(reference)
+        policy.step()
+    transport.close()
+
+
+def test_verify_names_the_tensor_an_engine_process_got_wrong(engine_process):
+    transport = BroadcastTransport(BroadcastSyncConfig(verify=True, timeout_s=60))
+    engine_process.corrupt_after_updates("model.layers.0.mlp.down_proj.weight")
+    try:
+        with pytest.raises(MilesError, match=r"engine tensor model\.layers\.0\.mlp\.down_proj\.weight"):
+            transport.sync(Policy(), [engine_process], version=5)
+    finally:
+        engine_process.corrupt_after_updates(None)
+        transport.close()
+
+
+class InProcess:
+    """An engine of ``ranks`` servers joining from threads of this process; it records its calls
+    and refuses every bucket."""
+
+    remote = True
+
+    def __init__(self, ranks=1):
+        self.num_weight_ranks = ranks
+        self.calls, self.groups = [], []
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name, backend):
+        self.calls.append(("init", rank_offset, world_size, backend))
+
+        def join(rank):
+            store = W.open_store(master_address, master_port, world_size, is_master=False, timeout_s=30)
+            self.groups.append(W.new_group(store, rank, world_size, group_name, backend, 30))
+
+        W.parallel([lambda r=rank_offset + i: join(r) for i in range(self.num_weight_ranks)])
+
+    def update_weights_from_distributed(self, **kw):
+        raise RuntimeError("engine refused the bucket")
+
+    def destroy_weights_update_group(self, group_name):
+        self.calls.append(("destroy", group_name))
+
+
+def test_engines_of_several_servers_take_consecutive_ranks():
+    a, b = InProcess(ranks=2), InProcess(ranks=1)
+    transport = BroadcastTransport(BroadcastSyncConfig(timeout_s=30))
+    transport._connect([a, b], torch.zeros(1))
+    assert a.calls == [("init", 1, 4, "gloo")] and b.calls == [("init", 3, 4, "gloo")]
+    transport.close()
+    assert a.calls[-1][0] == "destroy" == b.calls[-1][0]
+
+
+def test_an_engine_that_fails_its_call_fails_the_sync_at_once():
+    class Big:
+        def named_weights(self):
+            yield "w", torch.zeros(64 << 20, dtype=torch.uint8)  # more than a socket buffer holds
+
+    transport = BroadcastTransport(BroadcastSyncConfig(timeout_s=120))
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="engine refused the bucket"):
+        transport.sync(Big(), [InProcess()], version=1)
+    assert time.perf_counter() - t0 < 30  # not the 120 s timeout
+
+
+def test_only_trainer_rank_0_sends():
+    class Rank1(Policy):
+        rank, world_size = 1, 2
+
+        def named_weights(self):
+            self.iterated = True
+            return super().named_weights()
+
+    trainer = Rank1()
+    m = BroadcastTransport(BroadcastSyncConfig()).sync(trainer, [InProcess()], 1)
+    assert trainer.iterated and m["weight_sync_bytes"] == 0
+
+
+def test_registration_is_lazy_and_config_is_checked():
+    assert_lazy_registration("miles_plugin_broadcast", "transports", "broadcast")
+    with pytest.raises(ValueError):
+        BroadcastSyncConfig(backend="mpi")
+    with pytest.raises(ValueError):
+        BroadcastSyncConfig(bucket_gb=1)
