@@ -74,6 +74,10 @@ class RolloutConfig(Strict):
                                "batch_size / async_workers prompts in flight")
     eval_max_new_tokens: int | None = Field(None, gt=0, description="limit for greedy evaluation "
                                             "(default: max_new_tokens)")
+    true_on_policy: bool = Field(False, description="the engine re-scores each training mini-batch "
+                                 "with the trainer's own log-prob routine on its copy of the weights, "
+                                 "so rollout and training log-probs are bitwise equal (ratio exactly "
+                                 "1, train_rollout_logprob_abs_diff 0); sync mode, one trainer rank")
 
 
 KERNEL_SECTIONS: dict[str, type[BaseModel]] = {"run": RunConfig, "rollout": RolloutConfig}
@@ -216,6 +220,9 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
             problems.extend(_pydantic_problems(section, e, model))
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
     run, warm_trainer = kernel.get("run"), None
+    if run is not None and kernel.get("rollout") is not None and kernel["rollout"].true_on_policy \
+            and getattr(run, "mode", "sync") != "sync":
+        problems.append("rollout.true_on_policy: needs run.mode sync (async rollouts come from older weights)")
     if run is not None and run.warm_start is not None:
         ws = run.warm_start
         if ws.algorithm not in pm.registry("algorithms"):

@@ -213,11 +213,27 @@ class Loop:
         totals: dict[str, float] = {}
         for idx in chunks:
             mb = batch.select(sorted(idx)).as_global() if k > 1 else batch
+            if self.cfg.rollout.true_on_policy and algorithm.uses_rollout:
+                mb = self.engine_scored(mb)
             for key, v in trainer.train_step(mb, self.loss_fn(algorithm)).items():
                 totals[key] = totals.get(key, 0.0) + v / len(chunks)
             for key, v in (trainer.train_critic(mb, algorithm.value_loss) if critic else {}).items():
                 totals[key] = totals.get(key, 0.0) + v / len(chunks)
         return {**prepared, **totals}
+
+    def engine_scored(self, mb: Batch) -> Batch:
+        """True on-policy: the engine's log-probs of exactly this mini-batch, computed by the
+        trainer's own routine (``trainer.response_logprobs``) on the engine's weights, which this
+        step has not changed yet: bitwise equal to the trainer's on the first mini-batch, and the
+        old policy's for the later ones."""
+        fn = getattr(self.p.trainer, "response_logprobs", None)
+        if self.main and (fn is None or not hasattr(self.p.engine, "score")):
+            raise MilesError(f"rollout.true_on_policy needs a trainer with response_logprobs and an "
+                             f"engine with score(batch, fn); {self.cfg.name('trainer')!r} / "
+                             f"{self.cfg.name('engine')!r} lack them")
+        with self.engine_lock:
+            lp = self.share(self.p.engine.score(mb, fn) if self.main else None)
+        return replace(mb, rollout_logprobs=lp, old_logprobs=lp)
 
     def _importance(self, batch: Batch) -> None:
         """Samples older than ``max_staleness``: advantages times truncated importance weights

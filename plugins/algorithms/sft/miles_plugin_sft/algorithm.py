@@ -1,11 +1,12 @@
 """SFT: maximise the log-likelihood of demonstration tokens where ``loss_mask`` is 1."""
 from __future__ import annotations
 
-from typing import Sequence
+import random
+from typing import Any, Sequence
 
 import torch
 
-from miles import Batch, Group
+from miles import Batch, Group, Sample
 
 from .config import SFTConfig
 
@@ -14,7 +15,10 @@ class SFT:
     """Supervised fine-tuning, implementing ``miles.protocols.Algorithm``.
 
     The loop feeds demonstration samples (``uses_rollout = False``): ``response_ids`` are the
-    target tokens and ``loss_mask`` marks the ones to learn (e.g. not tool output).
+    target tokens and ``loss_mask`` marks the ones to learn (e.g. not tool output). With
+    ``data`` set the samples come from that dataset file (``supervised_samples``), otherwise
+    from the env's demonstrations; with ``pack`` the loop's batches are packed rows
+    (``make_batch``).
     """
 
     uses_rollout = False
@@ -22,6 +26,26 @@ class SFT:
 
     def __init__(self, cfg: SFTConfig | None = None):
         self.cfg = cfg if cfg is not None else SFTConfig()
+        self._source = None
+        if self.cfg.data is not None:
+            from .data import DatasetSource
+
+            self._source = DatasetSource(self.cfg)
+
+    def supervised_samples(self, tokenizer: Any, count: int, rng: random.Random,
+                           version: int = 0) -> list[Sample] | None:
+        """``count`` examples of the dataset file, or None (the loop then uses the env's
+        demonstrations)."""
+        if self._source is None:
+            return None
+        return self._source.samples(tokenizer, count, rng, version)
+
+    def make_batch(self, samples: list[Sample], pad_id: int, advantages=None) -> Batch:
+        if not self.cfg.pack:
+            return Batch.from_samples(samples, pad_id, advantages)
+        from .packing import pack
+
+        return pack(samples, pad_id, self.cfg.pack_length)
 
     def keep(self, group: Group) -> bool:
         return True

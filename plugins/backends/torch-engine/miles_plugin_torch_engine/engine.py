@@ -187,6 +187,18 @@ class TorchEngine(WeightReceiver):
 
     # -- scoring ---------------------------------------------------------------------------------
     @torch.inference_mode()
+    def score(self, batch: Any, logprob_fn: Any) -> torch.Tensor:
+        """``[B, R]`` log-probs of a training batch's response tokens under this engine's weights,
+        by ``logprob_fn(model, batch)`` (true on-policy: the trainer's own routine, on the
+        identically shaped batch, so both sides compute the same numbers bit for bit)."""
+        if self.device.type != "cpu":
+            from dataclasses import fields, replace
+
+            batch = replace(batch, **{f.name: getattr(batch, f.name).to(self.device) for f in fields(batch)
+                                      if isinstance(getattr(batch, f.name), torch.Tensor)})
+        return logprob_fn(self.model, batch).float().cpu()
+
+    @torch.inference_mode()
     def logprobs(self, prompts: Sequence[Sequence[int]],
                  responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """Log-prob (temperature 1) of each response token given its prompt, one forward per chunk."""

@@ -15,3 +15,7 @@ class ArithConfig(BaseModel):
                                 "not labels to memorise)")
     data_seed: int = Field(1234, description="seed of the train/eval split and of the teacher's "
                                              "mistakes (fixed across run seeds)")
+    export_dir: str | None = Field(None, description="write the data out as dataset files when the env "
+                                   "is built: <dir>/train.jsonl (the teacher's demonstrations) and "
+                                   "<dir>/eval.jsonl (held-out problems); kept if already written "
+                                   "with the same settings (see python -m miles_plugin_arith.export_data)")

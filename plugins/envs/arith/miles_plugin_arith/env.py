@@ -47,6 +47,9 @@ class ArithEnv:
         self.demos = [(t, self._teacher(t, teacher)) for t in self.splits["train"]
                       for _ in range(cfg.demos_per_task)]
         self._tok = None
+        if cfg.export_dir:  # a dataset file for supervised training from a file (sft's data)
+            from .export_data import ensure_exported
+            ensure_exported(self, cfg.export_dir)
 
     def _task(self, a: int, b: int) -> Task:
         d = self.cfg.digits

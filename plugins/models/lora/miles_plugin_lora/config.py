@@ -1,0 +1,50 @@
+"""Settings of the ``lora`` model spec (pydantic only: importable without torch or peft)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def resolve_base(base: dict[str, Any]) -> tuple[str, Any]:
+    """(name, validated settings) of the wrapped model spec, looked up in the installed plugins'
+    registry (a plugin never imports another's internals). Raises ValueError listing every
+    problem, named ``model.base.<key>``."""
+    from miles import make_plugin_manager
+    from miles.config import validate_settings
+
+    raw = dict(base)
+    name = raw.pop("name", "hf")
+    if name == "lora":
+        raise ValueError("model.base.name: lora cannot wrap itself; name the model spec to adapt (e.g. hf)")
+    registry = make_plugin_manager().registry("model_specs")
+    if name not in registry:
+        raise ValueError(f"model.base.name: unknown model spec {name!r}; registered: {', '.join(sorted(registry))}")
+    problems: list[str] = []
+    settings = validate_settings(registry[name].config, "model.base", raw, problems)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return name, settings
+
+
+class LoraSpecConfig(BaseModel):
+    """LoRA (low-rank adapters, Hu et al. 2021) on the model of another spec (``base``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: dict[str, Any] = Field(..., description=(
+        "the wrapped model spec's section: its name (default hf) and its own settings, e.g. "
+        "{name: hf, path: runs/sft/export} or {name: hf, config: {model_type: qwen2, ...}}"))
+    r: int = Field(8, gt=0, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is B @ A * alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training "
+                           "(engines run in eval mode, without it)")
+    target_modules: list[str] | str = Field("all-linear", description=(
+        "module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; 'all-linear' "
+        "adapts every linear layer except the output head"))
+
+    @field_validator("base")
+    @classmethod
+    def _base_is_a_model_spec(cls, v: dict[str, Any]) -> dict[str, Any]:
+        resolve_base(v)
+        return v
