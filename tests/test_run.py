@@ -137,7 +137,9 @@ def test_eval_and_export_give_a_folder_transformers_loads_with_the_same_logits(c
     assert r.returncode == 0, r.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(dest).eval()
     tok = AutoTokenizer.from_pretrained(dest)
-    state = torch.load(out / "checkpoints" / "step_000002" / "trainer" / "trainer.pt", weights_only=False)["model"]
+    from miles_plugin_fsdp2.checkpoint import read_model  # the trainer checkpoints in DCP format
+
+    state = read_model(str(out / "checkpoints" / "step_000002" / "trainer"))
     ids = torch.tensor([tok.encode("3+4=", add_special_tokens=False)])
     assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
     ref = AutoModelForCausalLM.from_config(model.config)
