@@ -20,6 +20,14 @@ from miles.testing import TinySpec, char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
+# engine settings for the servers, e.g. "device=cuda" to run this file on a GPU machine
+SETTINGS = os.environ.get("MILES_TEST_SERVE_SETTINGS", "").split()
+DTYPE = getattr(torch, dict(kv.split("=", 1) for kv in SETTINGS).get("dtype", "float32"))
+
+
+def engine_checksums(named):
+    """What the servers hold after loading ``named``: the tensors cast to their dtype."""
+    return {n: W.checksum(t.to(DTYPE)) for n, t in named}
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -51,7 +59,7 @@ class Served:
 
 def start(model_dir, log: Path, *args) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(model_dir), "--port", "0", *args],
+    return subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(model_dir), "--port", "0", *args, *SETTINGS],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
 
 
@@ -212,16 +220,18 @@ def test_sglang_plugin_routes_updates_weights_and_survives_kill_9(servers, model
         engine.load_weights(named, 5)
         for s in servers:
             assert httpx.get(s.url + "/get_weight_version", headers=AUTH, timeout=10).json()["weight_version"] == 5
-        want = {n: W.checksum(t) for n, t in named}
+        want = engine_checksums(named)
         assert engine.weight_checksums(list(want)) == want
         assert {c.weight_version for o in engine.generate([[2, 5]], params, n=2) for c in o} == {5}
         # and by torch.distributed broadcast (gloo): the collective HTTP calls, one rank per server
         newer = [(n, p.detach()) for n, p in lively(TinySpec().build_model(char_tokenizer()), 8).named_parameters()]
         trainer = type("Trainer", (), {"rank": 0, "named_weights": lambda self: iter(newer)})()
-        sync = pm.create("transports", "broadcast", pm.registry("transports")["broadcast"].config(verify=True))
+        # verify: the transport compares the servers' checksums with the trainer's (same dtype only)
+        verify = DTYPE == torch.float32
+        sync = pm.create("transports", "broadcast", pm.registry("transports")["broadcast"].config(verify=verify))
         assert engine.num_weight_ranks == 2
-        assert sync.sync(trainer, [engine], 6)["weight_sync_bytes"] > 0  # verify=True: checksums match
-        want = {n: W.checksum(t) for n, t in newer}
+        assert sync.sync(trainer, [engine], 6)["weight_sync_bytes"] > 0
+        want = engine_checksums(newer)
         assert engine.weight_checksums(list(want)) == want
         assert {c.weight_version for o in engine.generate([[2, 5]], params, n=2) for c in o} == {6}
         # kill -9 one server: every request still completes, on the survivor
