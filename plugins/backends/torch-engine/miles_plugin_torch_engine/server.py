@@ -136,33 +136,47 @@ def _weight_response(route: str, result: Any) -> dict:
     return {"success": True, "message": "ok"}
 
 
+async def json_body(request: HttpRequest) -> dict:
+    """The request's JSON object ({} for an empty body)."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    data = await request.json()
+    if not isinstance(data, dict):
+        raise ValueError("the request body must be a JSON object")
+    return data
+
+
 def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str | None = None,
-              settings: dict | None = None):
+              settings: dict | None = None) -> FastAPI:
     """The FastAPI application (SGLang's native routes we support; see the module docstring)."""
     app = FastAPI(title="miles serve", openapi_url=None)
+    if api_key:
+        _require_key(app, api_key)
+    _generate_route(app, engine, scheduler)
+    _control_routes(app, engine, scheduler)
+    _info_routes(app, engine, scheduler, model_dir, settings or {})
+    for route, method in WEIGHT_ROUTES.items():
+        app.post(f"/{route}")(_weight_handler(engine, scheduler, route, method))
+    return app
+
+
+def _require_key(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def require_key(request: HttpRequest, call_next):
+        # Stricter than SGLang's add_api_key_middleware (utils/common.py), which lets /health*
+        # through: here every route needs the key, health probes included.
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
+
+
+def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
     vocab = int(getattr(engine.model.config, "vocab_size", 0) or 0)
     tokenizer = engine.tokenizer
-
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def require_key(request: HttpRequest, call_next):
-            # Stricter than SGLang's add_api_key_middleware (utils/common.py), which lets /health*
-            # through: here every route needs the key, health probes included.
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return JSONResponse({"error": "Unauthorized"}, status_code=401)
-            return await call_next(request)
-
-    async def json_body(request: HttpRequest) -> dict:
-        raw = await request.body()
-        if not raw.strip():
-            return {}
-        data = await request.json()
-        if not isinstance(data, dict):
-            raise ValueError("the request body must be a JSON object")
-        return data
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: HttpRequest):
@@ -194,6 +208,8 @@ def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str
         out = format_outputs(req, body, tokenizer, started)
         return out[0] if body.single and len(out) == 1 else out
 
+
+def _control_routes(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
     @app.get("/health")
     async def health():
         """SGLang ``GET /health``: the server and its engine thread are up (no engine work)."""
@@ -244,6 +260,8 @@ def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str
         scheduler.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
         return Response(status_code=200)
 
+
+def _info_routes(app: FastAPI, engine: Any, scheduler: Scheduler, model_dir: str, settings: dict) -> None:
     @app.get("/get_weight_version")
     async def get_weight_version():
         """SGLang ``GET /get_weight_version``."""
@@ -261,15 +279,11 @@ def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str
         """SGLang ``GET /get_server_info``: settings plus scheduler counters (ours: requests,
         batches, engine calls) in ``internal_states``."""
         state = {**scheduler.stats, "num_waiting": scheduler.num_waiting, "paused": scheduler.paused}
-        return {"model_path": model_dir, **(settings or {}), "weight_version": engine.weight_version,
+        return {"model_path": model_dir, **settings, "weight_version": engine.weight_version,
                 "internal_states": [state], **state, "version": "miles"}
 
-    for route, method in WEIGHT_ROUTES.items():
-        app.post(f"/{route}")(_weight_handler(engine, scheduler, route, method, json_body))
-    return app
 
-
-def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str, json_body):
+def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str):
     """SGLang's weight endpoints (``/update_weights_from_disk``, ``/init_weights_update_group``,
     ... in ``http_server.py``): the engine method of the same name, run on the engine thread."""
     async def handler(request: HttpRequest):
