@@ -5,6 +5,7 @@ share is decided from that batch alone, so ranks agree on it without talking.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, Sequence
 
@@ -92,20 +93,21 @@ def shard(model: torch.nn.Module, device: torch.device, mixed_precision: str | N
                 m.set_force_sum_reduction_for_comms(True)
 
 
-def rank_slices(samples: Sequence[Any], world: int) -> list[range]:
-    """Contiguous, balanced row ranges, one per rank.
+def rank_slices(runs: Sequence[int], world: int) -> list[range]:
+    """Contiguous, balanced row ranges, one per rank, for rows in ``runs`` (lengths of the runs
+    of consecutive rows that share a prompt).
 
-    A cut moves to the nearest change of prompt when that shifts it by at most a quarter of a
-    rank's share, so runs of one prompt (a rollout group) stay on one rank and share their KV
-    cache; otherwise the run is split and both ranks run its prompt. Ranks past the end of a
-    batch smaller than the world get empty ranges.
+    A cut moves to the nearest run boundary when that shifts it by at most a quarter of a rank's
+    share, so a run (a rollout group) stays on one rank and shares its KV cache; otherwise the
+    run is split and both ranks run its prompt. Ranks past the end of a batch smaller than the
+    world get empty ranges.
     """
-    B = len(samples)
-    starts = [i for i in range(1, B) if samples[i].prompt_ids != samples[i - 1].prompt_ids]
+    B = sum(runs)
+    starts = list(itertools.accumulate(runs))[:-1]
     slack = B // (4 * world)
     cuts = [0]
     for k in range(1, world):
-        ideal = round(k * B / world)
+        ideal = (2 * k * B + world) // (2 * world)  # k * B / world, halves rounded up
         near = [b for b in starts if abs(b - ideal) <= slack and b > cuts[-1]]
         cuts.append(max(cuts[-1], min(near, key=lambda b: (abs(b - ideal), b)) if near else ideal))
     cuts.append(B)

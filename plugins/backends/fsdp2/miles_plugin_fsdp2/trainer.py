@@ -132,6 +132,7 @@ class FSDP2Trainer:
                              f"ranks); remove trainer.shard")
         if self.sharded:
             dist_.init_group(self.device, self.world_size)
+            dist_.object_group()  # created now: new_group must be called in the same order on all ranks
         torch.manual_seed(seed)  # the same seed on every rank: identical initial weights
         self.model = self._place(spec.build_model(tokenizer)).train()
         self.ref: torch.nn.Module | None = None
@@ -188,12 +189,16 @@ class FSDP2Trainer:
         if self.world_size == 1:
             micro = batch.split(size) if size and size < len(batch) else [batch]
             return [(mb, True, None) for mb in micro], [len(batch)]
-        slices = dist_.rank_slices(batch.samples, self.world_size)
+        runs = _runs(batch)
+        run_of = [r for r, n in enumerate(runs) for _ in range(n)]  # row -> index of its run
+        slices = dist_.rank_slices(runs, self.world_size)
         chunks = [[list(r[i:i + (size or len(r))]) for i in range(0, len(r), size or max(len(r), 1))]
                   for r in slices]
         plan = []
         for k in range(max(1, max(len(c) for c in chunks))):
-            shared = any(k < len(c) and 2 * len(prompt_runs([batch.samples[i] for i in c[k]])) <= len(c[k])
+            # the shared-prompt forward if any rank's k-th micro-batch gains from it (a contiguous
+            # chunk of rows spans run_of[last] - run_of[first] + 1 prompts)
+            shared = any(k < len(c) and 2 * (run_of[c[k][-1]] - run_of[c[k][0]] + 1) <= len(c[k])
                          for c in chunks)
             own = chunks[self.rank][k] if k < len(chunks[self.rank]) else None
             plan.append((batch.select(own or [0]), own is not None, shared))

@@ -145,7 +145,7 @@ def assert_weights_close(a: dict, b: dict, atol: float, what: str, noise_atol: f
     worst = 0.0
     for k in a:
         tol = max(atol, noise_atol) if k.endswith(NOISE_ONLY) else atol
-        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), rtol=0, atol=tol, msg=lambda m: f"{what} {k}: {m}")
+        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), rtol=0, atol=tol, msg=lambda m, k=k: f"{what} {k}: {m}")
         if not k.endswith(NOISE_ONLY):
             worst = max(worst, float((a[k].cpu().float() - b[k].cpu().float()).abs().max()))
     return worst
@@ -236,6 +236,23 @@ def test_checkpoint_from_one_rank_resumes_at_two_ranks(runs):
     assert_weights_close(one["weights"], r0["weights"], 2e-5, "w1 -> w2 resume vs uninterrupted w1")
     for x, y in zip(one["ref_logprobs"], r0["ref_logprobs"]):
         torch.testing.assert_close(x, y, rtol=0, atol=2e-5)
+
+
+def test_rank_slices_balance_rows_and_keep_groups_when_cheap():
+    from miles_plugin_fsdp2.dist import rank_slices
+
+    def sizes(runs, world):
+        r = rank_slices(runs, world)
+        assert r[0].start == 0 and r[-1].stop == sum(runs)
+        assert all(a.stop == b.start for a, b in zip(r, r[1:]))
+        return [len(x) for x in r]
+
+    assert sizes([4] * 4, 2) == [8, 8]  # whole groups
+    assert sizes([5, 3], 2) == [5, 3]  # a cut moves by one row to keep a group whole
+    assert sizes([4] * 3, 2) == [6, 6]  # moving 2 rows of 6 costs more than splitting a group
+    assert sizes([1] * 7, 4) == [2, 2, 1, 2]
+    assert sizes([1], 2) == [1, 0]  # fewer rows than ranks: a rank idles (runs a dummy row)
+    assert sizes([8] * 8, 8) == [8] * 8
 
 
 def test_world_size_that_disagrees_with_the_launcher_is_an_error(monkeypatch):
