@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cuda 1, cpu 5)")
     for key in ("prompts", "prompt_len", "new_tokens"):
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="override the shape")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (generate: num_return_sequences)")
     args = ap.parse_args()
     import torch
     from miles import SamplingParams
@@ -117,16 +118,16 @@ def main() -> None:
     if device == "cpu":
         torch.set_num_threads(1)  # a tiny model gains nothing from threads on a shared machine
     model = build(device)
-    P, T, N = shape["prompts"], shape["prompt_len"], shape["new_tokens"]
+    P, T, N, S = shape["prompts"], shape["prompt_len"], shape["new_tokens"], args.n
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, model.config.vocab_size, (P, T), generator=g)
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=N, seed=0)
 
     def engine_run(eng):
-        groups = eng.generate(prompts.tolist(), params, n=1)
-        lengths = {len(c.token_ids) for grp in groups for c in grp}
-        assert lengths == {N}, f"engine produced lengths {lengths}"
-        return P * N
+        groups = eng.generate(prompts.tolist(), params, n=S)
+        lengths = [len(c.token_ids) for grp in groups for c in grp]
+        assert set(lengths) == {N} and len(lengths) == P * S, f"engine produced lengths {set(lengths)}"
+        return P * S * N
 
     ids = prompts.to(device)
 
@@ -134,15 +135,15 @@ def main() -> None:
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                  temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens)
-        assert out.shape == (P, T + new_tokens), out.shape
-        return P * new_tokens
+                                 min_new_tokens=new_tokens, num_return_sequences=S)
+        assert out.shape == (P * S, T + new_tokens), out.shape
+        return P * S * new_tokens
 
-    sides = {"miles": make_engine(model, device, "fast", P)}
+    sides = {"miles": make_engine(model, device, "fast", P * S)}
     if device == "cpu":
-        sides["miles (impl hf)"] = make_engine(model, device, "hf", P)
+        sides["miles (impl hf)"] = make_engine(model, device, "hf", P * S)
     else:  # what the CUDA graphs buy
-        sides["miles (no graphs)"] = make_engine(model, device, "fast", P, graphs=False)
+        sides["miles (no graphs)"] = make_engine(model, device, "fast", P * S, graphs=False)
     times: dict[str, list[float]] = {name: [] for name in [*sides, "generate"]}
     for eng in sides.values():
         engine_run(eng)  # warm-up: allocates the KV cache, captures the CUDA graphs
@@ -151,9 +152,9 @@ def main() -> None:
         for name, eng in sides.items():
             times[name].append(timed(lambda e=eng: engine_run(e), device)[0])
         times["generate"].append(timed(hf_run, device)[0])
-    rate = {name: P * N / min(ts) for name, ts in times.items()}
+    rate = {name: P * S * N / min(ts) for name, ts in times.items()}
     where = torch.cuda.get_device_name(device) if device != "cpu" else "CPU, 1 thread"
-    print(f"{where}: {P} prompts x {T} tokens, {N} new tokens each, {shape['dtype']}, "
+    print(f"{where}: {P} prompts x {T} tokens, {S} sample(s) of {N} new tokens each, {shape['dtype']}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     for name, ts in times.items():
         print(f"  {name:16s} {rate[name]:>12,.0f} tokens/s  (runs: {', '.join(f'{t:.2f}s' for t in ts)})")
