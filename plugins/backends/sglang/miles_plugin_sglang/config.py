@@ -20,6 +20,8 @@ class SGLangEngineConfig(pydantic.BaseModel, extra="forbid"):
     max_retries: int = Field(3, ge=0, description="times a failed request is re-sent, each time to "
                              "another healthy server")
     max_concurrency: int = Field(256, ge=1, description="HTTP requests in flight at once, all servers together")
+    restart_wait_s: float = Field(120.0, ge=0, description="when no server is left, seconds to wait for "
+                                  "one to come back (a launcher restarting it) before the request fails")
     health_check_interval_s: float = Field(5.0, gt=0, description="seconds between background health "
                                            "checks; a failed server is left out until one passes")
     startup_timeout_s: float = Field(120.0, ge=0, description="seconds to wait for the servers to answer "

@@ -61,7 +61,7 @@ class SGLangEngine:
     async def _make_router(self, api_key: str | None) -> Router:
         c = self.cfg
         return Router(c.urls, api_key=api_key, timeout_s=c.timeout_s, max_retries=c.max_retries,
-                      max_concurrency=c.max_concurrency)
+                      max_concurrency=c.max_concurrency, restart_wait_s=c.restart_wait_s)
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -193,6 +193,9 @@ class SGLangEngine:
                 "group_name": group_name, "weight_version": weight_version,
                 "flush_cache": flush_cache, **kw}
         out = self._all("/update_weights_from_distributed", [body] * len(self.router.servers))
+        self.router.weights_pushed = True
+        for s in self.router.servers:
+            s.stale = s.restarted = False
         self._set_version(weight_version, self.router.servers)
         return out
 
@@ -222,6 +225,8 @@ class SGLangEngine:
         out = self._run(self.router.broadcast("POST", path, [body] * len(servers), servers))
         for s in self.router.servers:
             s.stale = s not in servers
+            s.restarted = s.restarted and s.stale
+        self.router.weights_pushed = True
         self._set_version(weight_version, servers)
         return out
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from miles import MilesError
+from miles import EngineRestarted, MilesError
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -26,6 +26,7 @@ class Server:
     served: int = 0  # requests it answered (for metrics and tests)
     last_error: str = ""
     stale: bool = field(default=False)  # missed a weight update: kept out until the next one
+    restarted: bool = False  # came back after being unreachable: its weights are not ours
 
 
 class RetryableError(Exception):
@@ -34,8 +35,10 @@ class RetryableError(Exception):
 
 class Router:
     def __init__(self, urls: list[str], *, api_key: str | None, timeout_s: float, max_retries: int,
-                 max_concurrency: int):
+                 max_concurrency: int, restart_wait_s: float = 0.0):
         self.servers = [Server(u) for u in urls]
+        self.restart_wait_s = restart_wait_s
+        self.weights_pushed = False  # after the first update, a server that comes back is stale
         self.max_retries = max_retries
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -91,7 +94,7 @@ class Router:
         errors: list[str] = []
         async with self._slots:
             for _ in range(self.max_retries + 1):
-                server = self.pick(tried) or await self._revive(tried)
+                server = self.pick(tried) or await self._revive(set())  # a restarted one may return
                 if server is None:
                     break
                 tried.add(server.url)
@@ -133,6 +136,8 @@ class Router:
             ok, server.last_error = False, f"{type(e).__name__}: {e}"
         if ok and not server.healthy:
             print(f"miles sglang: {server.url} is back", file=sys.stderr)
+            if self.weights_pushed:  # a restarted process booted from its model folder
+                server.stale = server.restarted = True
         server.healthy = ok
         return ok
 
@@ -145,11 +150,23 @@ class Router:
             await self.probe_all()
 
     async def _revive(self, exclude: set[str]) -> Server | None:
-        """No routable server left: probe the failed ones now instead of waiting for the loop."""
-        down = [s for s in self.servers if not s.healthy and not s.stale and s.url not in exclude]
-        for s in down:
-            await self.probe(s)
-        return self.pick(exclude)
+        """No routable server left: probe the failed ones now instead of waiting for the loop,
+        for up to ``restart_wait_s`` (a launcher may be restarting them). A server that comes
+        back without our weights raises ``EngineRestarted``: the caller re-syncs and retries."""
+        deadline = asyncio.get_running_loop().time() + self.restart_wait_s
+        while True:
+            for s in self.servers:
+                if not s.healthy and s.url not in exclude:
+                    await self.probe(s)
+            server = self.pick(exclude)
+            back = [s.url for s in self.servers if s.restarted and s.healthy]
+            if server is not None:
+                return server
+            if back:
+                raise EngineRestarted(f"engine server {', '.join(back)} restarted without the current weights")
+            if asyncio.get_running_loop().time() >= deadline:
+                return None
+            await asyncio.sleep(0.25)
 
     def _down(self, server: Server, error: str) -> None:
         if server.healthy:

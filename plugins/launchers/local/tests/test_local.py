@@ -1,0 +1,133 @@
+"""The local launcher end to end: trainer ranks and engine workers as processes, supervised.
+
+Each test starts real processes (`miles train` ranks, `miles serve` workers) on a tiny config and
+checks the run's outcome, the launcher's messages, and that no process of the run is left.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[4]
+TINY = str(ROOT / "tests" / "tiny.yaml")
+
+
+def rows(out):
+    path = Path(out) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_processes(out) -> list[tuple[int, str]]:
+    """(pid, cmdline) of every live process whose command line mentions the run folder."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (d / "stat").read_text().split()[2]
+            except OSError:
+                continue
+            if str(out) in cmd and state != "Z":
+                found.append((int(d.name), cmd))
+    return found
+
+
+def launch(out, *overrides, **kw):
+    cmd = [sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}", "launcher.name=local",
+           "run.warm_start.max_steps=5", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def finish(proc, timeout=400):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, out, err
+
+
+def wait_for(pred, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_disaggregated_engine_process_then_clean_exit(tmp_path):
+    out = tmp_path / "run"
+    rc, stdout, err = finish(launch(out, "launcher.engines=1", "run.steps=4", "sync.name=tensor",
+                                    "sync.verify=true"))
+    assert rc == 0, err[-3000:]
+    got = rows(out)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
+    assert all(r["weight_sync_bytes"] > 0 for r in got[1:] if r["groups_kept"])
+    assert "listening on" in (out / "logs" / "engine-0.log").read_text()
+    assert (out / "launch" / "trainer.yaml").is_file()
+    assert run_processes(out) == []
+
+
+def test_killed_engine_is_restarted_resynced_and_no_group_is_lost(tmp_path):
+    out = tmp_path / "run"
+    proc = launch(out, "launcher.engines=1", "run.steps=12", "sync.name=disk")
+    wait_for(lambda: len(rows(out)) >= 3, proc)
+    engines = [pid for pid, cmd in run_processes(out) if " serve " in cmd]
+    assert len(engines) == 1
+    os.kill(engines[0], signal.SIGKILL)
+    rc, _, err = finish(proc)
+    assert rc == 0, err[-3000:]
+    assert "was killed by SIGKILL; restarting it (1/3)" in err
+    got = rows(out)
+    assert [r["step"] for r in got] == list(range(13))  # every step once
+    for r in got[1:]:  # every step trained on exactly the groups it asked for, none twice
+        assert r["groups_kept"] + r["groups_dropped"] == 8
+    assert run_processes(out) == []
+
+
+def test_engine_that_keeps_dying_ends_the_run_with_its_name(tmp_path):
+    out = tmp_path / "run"
+    proc = launch(out, "launcher.engines=1", "launcher.max_engine_restarts=0", "run.steps=200")
+    wait_for(lambda: len(rows(out)) >= 2, proc)
+    for pid, cmd in run_processes(out):
+        if " serve " in cmd:
+            os.kill(pid, signal.SIGKILL)
+    rc, _, err = finish(proc)
+    assert rc == 2
+    assert "miles: error: engine 0 (pid" in err and "was killed by SIGKILL" in err
+    assert "engine-0.log" in err and "Traceback" not in err.split("last lines:")[0]
+    assert run_processes(out) == []
+
+
+def test_dead_trainer_rank_is_named_and_nothing_is_left(tmp_path):
+    out = tmp_path / "run"
+    proc = launch(out, "launcher.engines=1", "run.steps=200")
+    wait_for(lambda: len(rows(out)) >= 2, proc)
+    trainers = [pid for pid, cmd in run_processes(out) if " train " in cmd and "trainer.yaml" in cmd]
+    os.kill(trainers[0], signal.SIGKILL)
+    rc, _, err = finish(proc)
+    assert rc == 2
+    assert "miles: error: trainer rank 0 (pid" in err and "was killed by SIGKILL" in err
+    assert run_processes(out) == []
+
+
+def test_ctrl_c_checkpoints_stops_children_and_rerun_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = launch(out, "launcher.engines=1", "run.steps=200", "run.checkpoint_every=1000")
+    wait_for(lambda: len(rows(out)) >= 3, proc)
+    proc.send_signal(signal.SIGINT)
+    rc, _, err = finish(proc, timeout=120)
+    assert rc == 130, err[-3000:]
+    assert "SIGINT: trainers checkpointed and stopped; rerun the same command to resume" in err
+    last = rows(out)[-1]["step"]
+    assert (out / "checkpoints" / f"step_{last:06d}").is_dir()
+    assert run_processes(out) == []
+    rc, stdout, err = finish(launch(out, "launcher.engines=1", f"run.steps={last + 1}",
+                                    "run.checkpoint_every=1000"))
+    assert rc == 0, err[-3000:]
+    assert f"resuming from step {last}" in stdout
+    assert [r["step"] for r in rows(out)] == list(range(last + 2))
