@@ -2,9 +2,11 @@
 
 A trainer (this process) holds a random Qwen2-shaped model of about ``--mb`` MiB; a torch engine
 runs in another process (``miles.testing.EngineProcess``: every engine method over a pipe, as
-``miles serve`` would take it over HTTP). Each transport syncs it ``--repeat`` times after a
-warm-up sync (segments, groups and page faults of a first sync are not steady-state costs); the
-best time is compared with the best time of its raw primitive on the same bytes:
+``miles serve`` would take it over HTTP). After two warm-up syncs (segments, groups and page
+faults of a first sync are not steady-state costs), rounds of one raw primitive run and one sync
+per setting alternate ``--repeat`` times (load from other processes then hits both alike); the
+best time of each is kept, and the ratio is the setting's GB/s over the raw primitive's GB/s on
+the same bytes in the same rounds. The raw primitives:
 
 * tensor: one memcpy of the bytes into a (warm) shared memory segment; on CUDA a device copy
   (what the engine's copy out of a CUDA IPC handle costs);
@@ -12,7 +14,7 @@ best time is compared with the best time of its raw primitive on the same bytes:
   process has them (gloo on CPU; NCCL between two GPUs with --device cuda);
 * disk: writing the bytes to a file (fsync, as the transport does) and reading them back.
 
-    python benchmarks/weight_sync.py [--mb 256] [--repeat 3] [--device cpu|cuda]
+    python benchmarks/weight_sync.py [--mb 256] [--repeat 5] [--device cpu|cuda]
 
 The last line reads ``weight_sync ratios vs raw: tensor R broadcast R disk R`` (transport GB/s
 over raw GB/s, default settings). Rows in brackets are the other settings, for comparison.
@@ -34,125 +36,146 @@ def _spec(mb: int):
     return TinySpec(hidden=1024, layers=max(1, round(mb / 26)), heads=32, kv_heads=8, seed=1)
 
 
-def _best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def _sync(dev: str):
     return (lambda: torch.cuda.synchronize()) if dev.startswith("cuda") else (lambda: None)
 
 
-def raw_memcpy(nbytes: int, dev: str, repeat: int) -> float:
-    sync = _sync(dev)
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
-    if dev.startswith("cuda"):
-        dst = torch.empty_like(src)
-        return _best(lambda: (dst.copy_(src), sync()), repeat + 1)
-    from multiprocessing import shared_memory
+class RawMemcpy:
+    """One copy of the bytes into a warm shared memory segment (CUDA: a device-to-device copy)."""
 
-    shm = shared_memory.SharedMemory(create=True, size=nbytes)
-    try:
-        dst = torch.frombuffer(shm.buf, dtype=torch.uint8)
-        dst.copy_(src)  # first touch allocates the pages: not part of a steady-state copy
-        t = _best(lambda: dst.copy_(src), repeat + 1)
-        del dst
-    finally:
-        shm.close()
-        shm.unlink()
-    return t
+    def __init__(self, nbytes: int, dev: str):
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+        self.shm = None
+        if dev.startswith("cuda"):
+            self.dst = torch.empty_like(self.src)
+        else:
+            from multiprocessing import shared_memory
+
+            self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+            self.dst = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        self.sync = _sync(dev)
+
+    def once(self) -> None:
+        self.dst.copy_(self.src)
+        self.sync()
+
+    def close(self) -> None:
+        del self.dst
+        if self.shm is not None:
+            self.shm.close()
+            self.shm.unlink()
 
 
-def _raw_peer(port: int, nbytes: int, repeat: int, backend: str, dev: str) -> None:
+def _raw_peer(port: int, nbytes: int, backend: str, dev: str) -> None:
     from miles import weights as W
 
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-    store = W.open_store("127.0.0.1", port, 2, is_master=False, timeout_s=300)
-    group = W.new_group(store, 1, 2, "raw", backend, 300)
+    group = W.new_group(W.open_store("127.0.0.1", port, 2, is_master=False, timeout_s=300),
+                        1, 2, "raw", backend, 300)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    ack = torch.zeros(1, dtype=torch.uint8, device=dev)
-    for _ in range(repeat + 1):
+    flag = torch.zeros(1, dtype=torch.uint8, device=dev)
+    while True:
+        W.broadcast(group, flag)
+        if not flag.item():
+            return
         W.broadcast(group, buf)
-        W.broadcast(group, ack, root=1)  # "all bytes are here"
+        W.broadcast(group, flag, root=1)  # "all bytes are here"
 
 
-def raw_broadcast(nbytes: int, dev: str, peer_dev: str, repeat: int) -> float:
-    import multiprocessing
+class RawBroadcast:
+    """One broadcast of the bytes to another process, until that process has them all."""
 
-    from miles import weights as W
+    def __init__(self, nbytes: int, dev: str, peer_dev: str):
+        import multiprocessing
 
-    backend = "nccl" if dev.startswith("cuda") else "gloo"
-    store = W.open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=300)
-    peer = multiprocessing.get_context("spawn").Process(
-        target=_raw_peer, args=(store.port, nbytes, repeat, backend, peer_dev), daemon=True)
-    peer.start()
-    group = W.new_group(store, 0, 2, "raw", backend, 300)
-    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
-    ack = torch.zeros(1, dtype=torch.uint8, device=dev)
-    sync = _sync(dev)
+        from miles import weights as W
 
-    def once():
-        W.broadcast(group, buf)
-        W.broadcast(group, ack, root=1)
-        sync()
+        self.W, backend = W, ("nccl" if dev.startswith("cuda") else "gloo")
+        store = W.open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=300)
+        self.peer = multiprocessing.get_context("spawn").Process(
+            target=_raw_peer, args=(store.port, nbytes, backend, peer_dev), daemon=True)
+        self.peer.start()
+        self.group = W.new_group(store, 0, 2, "raw", backend, 300)
+        self.buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+        self.go = torch.ones(1, dtype=torch.uint8, device=dev)
+        self.sync = _sync(dev)
 
-    once()  # connection set-up and first-touch of the peer's buffer
-    t = _best(once, repeat)
-    peer.join(60)
-    return t
+    def once(self) -> None:
+        self.W.broadcast(self.group, self.go)
+        self.W.broadcast(self.group, self.buf)
+        self.W.broadcast(self.group, self.go, root=1)
+        self.sync()
+
+    def close(self) -> None:
+        self.W.broadcast(self.group, torch.zeros_like(self.go))
+        self.peer.join(60)
 
 
-def raw_disk(nbytes: int, folder: str, repeat: int) -> float:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    back = torch.empty_like(src)
-    path = os.path.join(folder, "raw.bin")
+class RawDisk:
+    """Write the bytes to a file (with fsync, as the transport does) and read them back."""
 
-    def once():
-        with open(path, "wb") as f:
-            f.write(memoryview(src.numpy()))
+    def __init__(self, nbytes: int, folder: str):
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.back = torch.empty_like(self.src)
+        self.path = os.path.join(folder, "raw.bin")
+
+    def once(self) -> None:
+        with open(self.path, "wb") as f:
+            f.write(memoryview(self.src.numpy()))
             f.flush()
             os.fsync(f.fileno())
-        with open(path, "rb") as f:
-            f.readinto(memoryview(back.numpy()))
+        with open(self.path, "rb") as f:
+            f.readinto(memoryview(self.back.numpy()))
 
-    once()
-    t = _best(once, repeat)
-    os.unlink(path)
-    return t
+    def close(self) -> None:
+        os.unlink(self.path)
 
 
-def transport(name: str, settings: dict, trainer, engine, repeat: int, folder: str) -> float:
-    from miles import make_plugin_manager
-    from miles import weights as W
+class Sync:
+    """Syncs of one transport (a new version each time) to one engine."""
 
-    pm = make_plugin_manager()
-    comp = pm.registry("transports")[name]
-    tr = pm.create("transports", name, comp.config(**settings), out_dir=folder)
-    version = [0]
+    def __init__(self, name: str, settings: dict, trainer, engine, folder: str):
+        from miles import make_plugin_manager
 
-    def once():
-        version[0] += 1
-        tr.sync(trainer, [engine], version[0])
+        pm = make_plugin_manager()
+        comp = pm.registry("transports")[name]
+        self.tr = pm.create("transports", name, comp.config(**settings), out_dir=folder)
+        self.trainer, self.engine, self.version = trainer, engine, 0
 
-    once()  # connect / create segments / first touch
-    once()  # tensor with adopt alternates two segment sets: the second is new too
-    t = _best(once, repeat)
-    want = {n: W.checksum(x) for n, x in trainer.named_weights()}
-    W.verify([engine], want, version[0])  # what was timed moved every byte exactly
-    if hasattr(tr, "close"):
-        tr.close()
-    return t
+    def once(self) -> None:
+        self.version += 1
+        self.tr.sync(self.trainer, [self.engine], self.version)
+
+    def close(self) -> None:
+        from miles import weights as W
+
+        self.once()
+        want = {n: W.checksum(x) for n, x in self.trainer.named_weights()}
+        W.verify([self.engine], want, self.version)  # what was timed moved every byte exactly
+        if hasattr(self.tr, "close"):
+            self.tr.close()
+
+
+def measure(rows: list[tuple[str, object]], repeat: int) -> dict[str, float]:
+    """Best seconds per row, rounds interleaved so that load from other processes hits all rows
+    alike. Two untimed warm-ups each (connections, segments, first-touch page faults)."""
+    for _, item in rows:
+        item.once()
+        item.once()
+    best = {label: float("inf") for label, _ in rows}
+    for _ in range(repeat):
+        for label, item in rows:
+            t0 = time.perf_counter()
+            item.once()
+            best[label] = min(best[label], time.perf_counter() - t0)
+    return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=256, help="approximate model size in MiB (float32)")
-    ap.add_argument("--repeat", type=int, default=3, help="timed syncs per row (best is kept)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed rounds (best is kept per row)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--only", default="tensor,broadcast,disk", help="comma-separated transports")
     args = ap.parse_args()
@@ -166,41 +189,51 @@ def main() -> None:
     trainer = type("Trainer", (), {"named_weights": lambda self: iter(model.state_dict().items())})()
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     other = "cuda:1" if cuda and torch.cuda.device_count() > 1 else dev
-    only = args.only.split(",")
     print(f"model: {nbytes / 2**20:.0f} MiB in {len(model.state_dict())} tensors, device {args.device}; "
           f"best of {args.repeat}", flush=True)
-    rows, ratios = [], {}
+    table, ratios = [], {}
     folder = tempfile.mkdtemp(prefix="miles-bench-")
     colocated = EngineProcess(settings={"device": dev}, spec=spec)
     apart = EngineProcess(settings={"device": other}, spec=spec) if other != dev else colocated
+    plans = {  # name: (raw primitive, its label, engine, [(settings, is the default)])
+        "tensor": (lambda: RawMemcpy(nbytes, dev), "device copy" if cuda else "memcpy into shm",
+                   colocated, [({}, True)] + ([] if cuda else [({"adopt": False}, False)])),
+        "broadcast": (lambda: RawBroadcast(nbytes, dev, other), "nccl broadcast" if cuda else
+                      "gloo broadcast", apart, [({}, True), ({"pack_mb": 0}, False),
+                                                ({"pack_mb": 1e6}, False)]),
+        "disk": (lambda: RawDisk(nbytes, folder), "file write+fsync+read", apart,
+                 [({"dir": os.path.join(folder, "w")}, True)]),
+    }
     try:
-        plans = {
-            "tensor": (lambda: raw_memcpy(nbytes, dev, args.repeat), "memcpy into shm" if not cuda
-                       else "device copy", colocated,
-                       [({}, True)] + ([({"adopt": False}, False)] if not cuda else [])),
-            "broadcast": (lambda: raw_broadcast(nbytes, dev, other, args.repeat),
-                          "nccl broadcast" if cuda else "gloo broadcast", apart,
-                          [({}, True), ({"pack_mb": 0}, False), ({"pack_mb": 1e6}, False)]),
-            "disk": (lambda: raw_disk(nbytes, folder, args.repeat), "file write+fsync+read", apart,
-                     [({"dir": os.path.join(folder, "w")}, True)]),
-        }
-        for name in [n for n in plans if n in only]:
-            raw_fn, raw_name, engine, variants = plans[name]
-            raw = nbytes / raw_fn() / 1e9
-            rows.append((f"raw: {raw_name}", raw, None))
-            for settings, default in variants:
-                gbs = nbytes / transport(name, settings, trainer, engine, args.repeat, folder) / 1e9
-                label = f"{name} {settings}" if settings and not default else name
-                rows.append((label if default else f"[{label}]", gbs, gbs / raw))
-                if default:
-                    ratios[name] = gbs / raw
+        for name in [n for n in plans if n in args.only.split(",")]:
+            make_raw, raw_label, engine, variants = plans[name]
+            raw = make_raw()
+            try:
+                for settings, default in variants:
+                    # each setting against the raw primitive measured in the same rounds
+                    label = name if default else f"[{name} {settings}]"
+                    sync = Sync(name, settings, trainer, engine, folder)
+                    try:
+                        best = measure([("raw", raw), (label, sync)], args.repeat)
+                    finally:
+                        sync.close()
+                    raw_gbs, gbs = nbytes / best["raw"] / 1e9, nbytes / best[label] / 1e9
+                    table.append((label, gbs, raw_gbs, gbs / raw_gbs))
+                    if default:
+                        ratios[name] = gbs / raw_gbs
+            finally:
+                raw.close()
+            table.append((f"  (raw: {raw_label})", None, None, None))
     finally:
         colocated.close()
         if apart is not colocated:
             apart.close()
-    print(f"{'':40s} {'GB/s':>8s} {'vs raw':>7s}")
-    for label, gbs, ratio in rows:
-        print(f"{label:40s} {gbs:8.2f} {'' if ratio is None else f'{ratio:7.2f}'}")
+    print(f"{'':36s} {'GB/s':>8s} {'raw GB/s':>9s} {'vs raw':>7s}")
+    for label, gbs, raw_gbs, ratio in table:
+        if gbs is None:
+            print(label)
+        else:
+            print(f"{label:36s} {gbs:8.2f} {raw_gbs:9.2f} {ratio:7.2f}")
     print("weight_sync ratios vs raw: " + " ".join(f"{n} {r:.2f}" for n, r in ratios.items()))
 
 

@@ -116,6 +116,8 @@ class WeightReceiver:
         self.destroy_weights_update_group(group_name, missing_ok=True)
         store = W.open_store(master_address, master_port, world_size, is_master=False,
                              timeout_s=GROUP_TIMEOUT_S)
+        if backend == "nccl":
+            torch.cuda.set_device(self._param_device())  # the communicator binds to this device
         group = W.new_group(store, rank_offset, world_size, group_name, backend, GROUP_TIMEOUT_S)
         self._ws.groups[group_name] = (group, store, backend)
 
@@ -145,8 +147,14 @@ class WeightReceiver:
             raise MilesError(f"torch engine: no weights update group named {group_name!r}; "
                              "call init_weights_update_group first")
         group, _, backend = self._ws.groups[group_name]
-        dev = self.device if backend == "nccl" else torch.device("cpu")
-        plan = W.wire_plan(dtypes, shapes, int(pack_below))
+        dev = self._param_device() if backend == "nccl" else torch.device("cpu")
+        if dev.type == "cuda":
+            with torch.cuda.device(dev):  # NCCL works on the calling thread's current device
+                return self._receive(group, dev, names, dtypes, shapes, weight_version, int(pack_below))
+        return self._receive(group, dev, names, dtypes, shapes, weight_version, int(pack_below))
+
+    def _receive(self, group, dev, names, dtypes, shapes, weight_version, pack_below: int) -> None:
+        plan = W.wire_plan(dtypes, shapes, pack_below)
         errors: list[Exception] = []
         if plan.packed:
             buf = self._recv_buffer(plan.packed_bytes, dev)
@@ -168,6 +176,10 @@ class WeightReceiver:
         if errors:
             raise errors[0]
         self._set_version(weight_version)
+
+    def _param_device(self) -> torch.device:
+        """The parameters' device with its index ("cuda:0", where the config may say "cuda")."""
+        return next(iter(self._targets.values())).device
 
     def _recv_buffer(self, size: int, device: torch.device) -> torch.Tensor:
         buf = self._ws.recv

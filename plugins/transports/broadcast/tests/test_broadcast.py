@@ -144,3 +144,23 @@ def test_registration_is_lazy_and_config_is_checked():
         BroadcastSyncConfig(backend="mpi")
     with pytest.raises(ValueError):
         BroadcastSyncConfig(bucket_gb=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="NCCL needs one GPU per rank: run on a machine with 2 GPUs")
+def test_nccl_broadcast_between_two_gpus():
+    policy = Policy()
+    policy.model.to("cuda:0")
+    engine = EngineProcess(settings={"device": "cuda:1"}, spec=TinySpec(hidden=64, seed=0))
+    try:
+        for pack_mb in (None, 0):
+            transport = BroadcastTransport(BroadcastSyncConfig(verify=True, pack_mb=pack_mb, timeout_s=120))
+            transport.sync(policy, [engine], 1)
+            assert transport._backend == "nccl" and engine.weight_version == 1
+            want = {n: W.checksum(t) for n, t in policy.named_weights()}
+            assert engine.weight_checksums(list(want)) == want
+            transport.close()
+            policy.step()
+    finally:
+        engine.close()

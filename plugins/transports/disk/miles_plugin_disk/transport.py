@@ -36,7 +36,7 @@ class DiskTransport:
                 pass
             return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": 0.0}
         stats = write_version(self.dir, named, version, shard_mb=self.cfg.shard_mb,
-                              delta=self.cfg.delta, keep=self.cfg.keep)
+                              delta=self.cfg.delta, keep=self.cfg.keep, checksums=self.cfg.verify)
         t1 = time.perf_counter()
         # each engine reads the newest manifest on its own; engine processes are asked at once
         remote = [e for e in engines if W.is_remote(e)]

@@ -59,8 +59,11 @@ class _Shards:
 
 
 def write_version(root: str, named: Iterable[tuple[str, torch.Tensor]], version: int, *,
-                  shard_mb: int, delta: bool, keep: int) -> WriteStats:
+                  shard_mb: int, delta: bool, keep: int, checksums: bool = True) -> WriteStats:
     """Write ``named`` as ``version``, repoint LATEST at it, prune old folders.
+
+    ``checksums`` puts each tensor's blake2b in the manifest (verification and ``delta`` need
+    them; hashing runs at about half the speed of the disk write, so a plain sync skips it).
 
     Until the final rename nothing outside ``<folder>.tmp`` changes, so an exception (or a crash)
     leaves the previous version as LATEST, intact.
@@ -73,7 +76,7 @@ def write_version(root: str, named: Iterable[tuple[str, torch.Tensor]], version:
     os.makedirs(tmp)
     try:
         shards = _Shards(tmp, folder, shard_mb << 20)
-        tensors, stats = _pack(named, shards, prev)
+        tensors, stats = _pack(named, shards, prev, checksums or delta)
         shards.flush()
         stats.folder = folder
         layout.write_manifest(tmp, {"format": "miles-disk/1", "version": version,
@@ -99,21 +102,24 @@ def _previous(root: str) -> dict[str, dict[str, Any]]:
         return {}  # an unreadable previous version only costs a full write
 
 
-def _pack(named: Iterable[tuple[str, torch.Tensor]], shards: _Shards,
-          prev: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], WriteStats]:
+def _pack(named: Iterable[tuple[str, torch.Tensor]], shards: _Shards, prev: dict[str, dict[str, Any]],
+          checksums: bool) -> tuple[dict[str, dict[str, Any]], WriteStats]:
     tensors: dict[str, dict[str, Any]] = {}
-    # identical bytes written earlier in this version (tied embeddings, all-zero biases): store once
+    # the same tensor twice (tied embeddings), or with checksums identical bytes (all-zero
+    # biases): stored once
     written: dict[tuple, dict[str, Any]] = {}
     stats = WriteStats("", 0, 0, 0)
     for name, t in named:
         if name in tensors:
             raise MilesError(f"weight sync: the trainer yielded tensor {name} twice")
+        same = ("storage", t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
         t = t.detach().to("cpu").contiguous()
-        entry = {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                 "nbytes": t.numel() * t.element_size(), "blake2b": checksum(t)}
-        ident = (entry["blake2b"], entry["dtype"], tuple(entry["shape"]))
+        entry = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
+        if checksums:
+            entry["blake2b"] = checksum(t)
+        ident = (entry["blake2b"], entry["dtype"], tuple(entry["shape"])) if checksums else same
         old = prev.get(name)
-        if old is not None and (old["blake2b"], old["dtype"], tuple(old["shape"])) == ident:
+        if checksums and old is not None and (old.get("blake2b"), old["dtype"], tuple(old["shape"])) == ident:
             entry.update(file=old["file"], key=old["key"])
         elif ident in written:
             entry.update(file=written[ident]["file"], key=written[ident]["key"])

@@ -102,7 +102,7 @@ def test_delta_writes_changed_tensors_only_and_prunes_unreferenced(tmp_path):
 
 def test_crash_mid_write_keeps_previous_version(tmp_path, monkeypatch):
     trainer, engine = Holder(0, 600, 512, 300), Holder(1, 600, 512, 300)
-    t = transport(tmp_path, shard_mb=1)
+    t = transport(tmp_path, shard_mb=1, verify=True)
     t.sync(trainer, [engine], version=1)
     before = {n: v.clone() for n, v in trainer.named_weights()}
     with torch.no_grad():
@@ -127,6 +127,20 @@ def test_crash_mid_write_keeps_previous_version(tmp_path, monkeypatch):
     t.sync(trainer, [engine], version=2)
     assert_same(trainer, engine)
     assert layout.latest(t.dir) == "v00000002" and folders(t) == {"v00000001", "v00000002"}
+
+
+def test_plain_sync_skips_checksums_but_still_stores_tied_tensors_once(tmp_path):
+    trainer = Holder(0)
+    named = list(trainer.named_weights()) + [("tied.weight", trainer.m[0].weight.data)]
+    plain = type("T", (), {"named_weights": lambda self: iter(named)})()
+    t = transport(tmp_path)
+    reader = type("E", (), {"load_weights": lambda self, named, v: dict(named)})()
+    m = t.sync(plain, [reader], version=1)
+    entries = read_manifest(t.dir)["tensors"]
+    assert not any("blake2b" in e for e in entries.values())
+    assert entries["tied.weight"]["key"] == entries["0.weight"]["key"] and m["weight_sync_tensors_written"] == 4
+    with pytest.raises(MilesError, match="without a checksum"):
+        list(load_version(t.dir, verify=True))
 
 
 def test_verify_names_the_tensor_of_a_corrupted_shard(tmp_path):

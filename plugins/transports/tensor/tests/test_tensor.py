@@ -144,3 +144,22 @@ def test_only_trainer_rank_0_sends():
     trainer = Rank1()
     m = TensorTransport(TensorSyncConfig(verify=True)).sync(trainer, [NoCalls()], version=1)
     assert trainer.iterated and m["weight_sync_bytes"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_into_an_engine_process_on_the_gpu():
+    """Trainer weights on the GPU reach an engine process on the same GPU through CUDA IPC."""
+    policy = Policy()
+    policy.model.cuda()
+    engine = EngineProcess(settings={"device": "cuda"}, spec=TinySpec(seed=0))
+    try:
+        transport = TensorTransport(TensorSyncConfig(verify=True))
+        for version in (1, 2):
+            transport.sync(policy, [engine], version)
+            assert engine.weight_version == version
+            want = {n: W.checksum(t) for n, t in policy.named_weights()}
+            assert engine.weight_checksums(list(want)) == want
+            policy.step()
+        assert transport._pool is None  # no shared memory involved
+    finally:
+        engine.close()
