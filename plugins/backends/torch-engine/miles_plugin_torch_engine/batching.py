@@ -6,7 +6,7 @@ values copied into one cache row per sample. A row leaves when it has ``max_new_
 has sampled a stop token; the last live rows then move into the holes so that live rows stay
 packed in ``[0, B)`` (the decode step works on plain slices, see ``cuda_graphs``). Sampling,
 stop checks and the per-token log-probs all stay on the device; the host reads the ``done`` flags
-only every ``sync_every`` steps on GPU (a stopped row decodes a few wasted steps, but the GPU never
+only every ``sync_every`` (16) steps on GPU (a stopped row decodes a few wasted steps, but the GPU never
 waits for Python), every step on CPU.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class FastGenerator:
         self.fwd = LlamaFamilyForward(model)
         self.runner = DecodeRunner(self.fwd, cfg.cuda_graphs)
         self.cuda = self.fwd.device.type == "cuda"
-        self.sync_every = 8 if self.cuda else 1
+        self.sync_every = 16 if self.cuda else 1
         self.stats: dict[str, int] = {}
 
     def _size_cache(self, prompts: Sequence[Sequence[int]], steps: int) -> None:

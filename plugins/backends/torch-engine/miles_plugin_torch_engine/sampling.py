@@ -2,10 +2,10 @@
 
 Same distribution and log-probs as the generic path's ``engine._sample`` (temperature, then top-k
 and top-p on the renormalised distribution; the returned log-prob is the sampled token's under
-``log_softmax(logits / T)`` before filtering, which is what the trainer recomputes). Without
-filters it never materialises the normalised distribution: the exponential race picks
-``argmax(x - log E)``, ``E = -log U ~ Exp(1)``, which samples from ``softmax(x)`` for any shift of
-``x``, and the log-prob is ``x[tok] - logsumexp(x)``; fewer full-vocabulary passes per step.
+``log_softmax(logits / T)`` before filtering, which is what the trainer recomputes). The draw is
+an exponential race, ``argmax(logp - log E)`` with ``E ~ Exp(1)`` per token, which samples from
+``softmax(logp)`` with a handful of full-vocabulary passes and no host sync. At temperature 1 the
+bf16 logits go straight into a float32 ``log_softmax`` (one pass, no float copy).
 """
 from __future__ import annotations
 
@@ -15,20 +15,28 @@ from miles import SamplingParams
 from .engine import _filter
 
 
+def _log_noise(like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``log E``, ``E ~ Exp(1)``, never ``log 0``: CUDA's ``exponential_`` excludes 0 by
+    construction; on CPU ``E = -log U`` with ``U`` in [0, 1), where ``U = 0`` only makes ``E``
+    infinite (that token loses)."""
+    if like.device.type == "cuda":
+        return torch.empty_like(like).exponential_(generator=gen).log_()
+    return torch.rand(like.shape, generator=gen, device=like.device).log_().neg_().log_()
+
+
 def sample(logits: torch.Tensor, params: SamplingParams,
            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits [B, V]`` and its log-prob (float32)."""
-    x = logits.float()
     if params.temperature <= 0:
-        tok = x.argmax(dim=-1)
-        return tok, x.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
-    if params.temperature != 1.0:
-        x = x / params.temperature
-    lse = torch.logsumexp(x, dim=-1)
-    race = x
-    if 0 < params.top_k < x.shape[-1] or params.top_p < 1.0:
-        race = _filter(x - lse[:, None], params.top_k, params.top_p)
-    # U = 0 gives E = inf and log E = inf: that token loses, never a NaN (exponential_ may return 0)
-    noise = torch.rand(race.shape, generator=gen, device=race.device).log_().neg_().log_()
-    tok = (race - noise).argmax(dim=-1)
-    return tok, x.gather(-1, tok[:, None]).squeeze(-1) - lse
+        logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        tok = logp.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    if params.temperature == 1.0:
+        logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    race = logp
+    if 0 < params.top_k < logp.shape[-1] or params.top_p < 1.0:
+        race = _filter(logp, params.top_k, params.top_p)
+    tok = (race - _log_noise(race, gen)).argmax(dim=-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

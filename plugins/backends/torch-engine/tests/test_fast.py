@@ -245,6 +245,7 @@ def test_gpu_fast_path_matches_hf_forward(tok):
         assert [c.token_ids for c in g] == [ref, ref]
     assert_logprobs_exact(eng.model, PROMPTS, groups, atol=1e-4)
     assert eng._fast.runner._graphs and eng._fast.stats["joined_mid_decode"] > 0
+    assert eng._fast.fwd.use_triton  # the fused kernels are what ran
 
     bf16 = make_engine(tok, spec=spec, device="cuda", dtype="bfloat16")
     groups = bf16.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=0), n=4)
