@@ -38,7 +38,9 @@ def init_group(device: torch.device, world: int) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    kw: dict[str, Any] = {}
+    if device.type == "cuda":  # NCCL binds to one GPU, named with its index
+        kw["device_id"] = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     if world == 1 and "MASTER_ADDR" not in os.environ:
         # a one-rank group (sharding asked for at world size 1) needs no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)

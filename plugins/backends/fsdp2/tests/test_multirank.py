@@ -288,7 +288,8 @@ def test_cuda_ranks_match_one_rank(tmp_path):
         try:
             mixed = scenario_train(device="cuda", shard=True, mixed_precision="bf16", ckpt=ckpt)
         finally:
-            dist.destroy_process_group()  # later tests in this process expect no group
+            if dist.is_initialized():
+                dist.destroy_process_group()  # later tests in this process expect no group
     for a, b in zip(one["metrics"], mixed["metrics"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=5e-2, abs=5e-3)
     w0 = dict(zip(one["weights"], scenario_weights0()))
