@@ -24,6 +24,9 @@ class ModelSpec(Protocol):
     ``build_tokenizer(default)``: the tokenizer (``default`` is the env's, if it offers one);
     ``build_model(tokenizer)``: a fresh ``torch.nn.Module`` causal LM with HF-style
     ``forward(input_ids, attention_mask, position_ids) -> .logits`` and HF parameter names.
+    Optional: ``sync_filter(name) -> bool``: the weights training changes (e.g. LoRA adapters);
+    after the first, full sync the loop sends engines only those; ``save_pretrained(named,
+    tokenizer, path)``: ``miles export`` writes a Hugging Face folder through it.
     """
 
     def build_tokenizer(self, default: Any = None) -> Any: ...
@@ -53,7 +56,9 @@ class Engine(Protocol):
     log-probs. ``load_weights(named_tensors, version)`` replaces the weights (HF names) and sets
     ``weight_version``. An engine starts without usable weights: the loop syncs them first.
     ``tokenizer`` is the run's tokenizer; ``sampling_params`` the run's rollout settings (set by
-    the loop, read by rollout hooks).
+    the loop, read by rollout hooks). Optional: ``score(batch, logprob_fn) -> [B, R]``: the
+    engine's log-probs of a training batch by ``logprob_fn(model, batch)`` on its own weights
+    (``rollout.true_on_policy``).
     """
 
     weight_version: int
@@ -81,6 +86,8 @@ class Trainer(Protocol):
     no-grad ``[B, R]`` critic values (``V_t``: the state before response token ``t``);
     ``train_critic(batch, value_loss_fn)``: one critic optimizer step on
     ``value_loss_fn(batch, values) -> (loss, metrics)``, returns metrics.
+    Optional: ``response_logprobs(model, batch)``: the exact routine ``train_step`` scores with;
+    ``rollout.true_on_policy`` has the engine apply it to the engine's weights.
     """
 
     def logprobs(self, batch: Batch, which: str = "policy") -> "torch.Tensor": ...
@@ -123,6 +130,11 @@ class Algorithm(Protocol):
     advantages: KL in the reward, GAE, batch whitening); ``needs_critic``: the loop puts
     ``trainer.values(batch)`` in ``batch.extras["values"]`` and, after each policy step, calls
     ``trainer.train_critic(minibatch, algorithm.value_loss)``.
+    Optional: ``supervised_samples(tokenizer, count, rng, version) -> list[Sample] | None``: a
+    supervised algorithm's own examples (e.g. a dataset file) instead of the env's
+    demonstrations; ``make_batch(samples, pad_id, advantages) -> Batch``: its own batch layout
+    (e.g. SFT's packed rows with a 4-D block-diagonal ``attention_mask``) instead of
+    ``Batch.from_samples``.
     """
 
     uses_rollout: bool

@@ -114,7 +114,7 @@ def tokenize(rows: list[dict], tokenizer: Any, cfg: SFTConfig, source: str) -> l
                              f"{cfg.prompt_key!r} and {cfg.response_key!r} (keys: {sorted(r)}); set "
                              f"algorithm.prompt_key/response_key/messages_key to its column names")
     out = pair_examples(tokenizer, [r[cfg.prompt_key] for r in pairs], [r[cfg.response_key] for r in pairs],
-                        [r.get(cfg.label_key) for r in pairs])
+                        [r.get(cfg.label_key) for r in pairs]) if pairs else []
     out += [chat_example(tokenizer, r[cfg.messages_key], r.get(cfg.label_key))
             for r in rows if r.get(cfg.messages_key) is not None]
     return out

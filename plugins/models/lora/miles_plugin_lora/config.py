@@ -1,9 +1,15 @@
 """Settings of the ``lora`` model spec (pydantic only: importable without torch or peft)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+# how recipes/lora.yaml's base is made; named in the error for a missing folder
+MAKE_BASE = ("miles train recipes/quickstart.yaml run.steps=0 run.out_dir=runs/warm-start && "
+             "miles export runs/warm-start --to runs/warm-start/export")
 
 
 def resolve_base(base: dict[str, Any]) -> tuple[str, Any]:
@@ -46,5 +52,9 @@ class LoraSpecConfig(BaseModel):
     @field_validator("base")
     @classmethod
     def _base_is_a_model_spec(cls, v: dict[str, Any]) -> dict[str, Any]:
+        path = v.get("path")
+        if isinstance(path, str) and not Path(path).is_dir():
+            raise ValueError(f"model.base.path: base model folder {path} does not exist; train and export "
+                             f"a full-parameter model first, e.g. `{MAKE_BASE}`")
         resolve_base(v)
         return v

@@ -41,9 +41,14 @@ class LoraSpec:
                           target_modules=self.cfg.target_modules, bias="none", task_type="CAUSAL_LM")
 
     def _peft_model(self, tokenizer: Any):
+        import warnings
+
         from peft import get_peft_model
 
-        return get_peft_model(self.base.build_model(tokenizer), self.peft_config())
+        base = self.base.build_model(tokenizer)
+        with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(base, self.peft_config())
 
     def build_model(self, tokenizer: Any) -> torch.nn.Module:
         # the tuned HF model inside peft's wrappers: adapters injected, base frozen, HF forward
