@@ -77,14 +77,16 @@ class FastGenerator:
         self.sync_every = 16 if self.cuda else 1
         self.stats: dict[str, int] = {}
 
-    def _size_cache(self, prompts: Sequence[Sequence[int]], steps: int) -> None:
+    def _size_cache(self, prompts: Sequence[Sequence[int]], steps: int, n: int) -> None:
+        """KV cache of (at most ``max_batch_size``) rows for this request and its longest sequence;
+        it only grows, so the steady state of a training run allocates once."""
         need = max(len(p) for p in prompts) + steps
         limit = self.cfg.max_seq_len
         if limit is not None and need > limit:
             raise ConfigError([(f"engine.max_seq_len={limit} is shorter than the longest prompt plus "
                                 f"max_new_tokens ({need}); raise engine.max_seq_len")])
         length = limit or _round_up(need, DecodeRunner.LENGTH_STEP if self.cuda else 16)
-        self.fwd.allocate(self.cfg.max_batch_size, length)
+        self.fwd.allocate(min(self.cfg.max_batch_size, _round_up(len(prompts) * n, 64)), length)
         self.fwd.refresh()
         self.runner.prepare()
 
@@ -93,8 +95,9 @@ class FastGenerator:
         steps = params.max_new_tokens
         if steps <= 0:
             return [[Completion([], [], "length", version) for _ in range(n)] for _ in prompts]
-        self._size_cache(prompts, steps)
-        slots, dev = self.cfg.max_batch_size, self.fwd.device
+        self._size_cache(prompts, steps, n)
+        self.slots = slots = self.fwd.slots
+        dev = self.fwd.device
         self.params, self.gen, self.steps, self.version = params, gen, steps, version
         self.stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
         self.rows = _Rows(slots, steps, dev)
@@ -134,7 +137,7 @@ class FastGenerator:
         """Prefill waiting groups that fit into free rows (within the prefill token budget)."""
         picked: list[tuple[int, int, int]] = []
         rows, width = live, 0
-        while queue and rows + queue[0][2] <= self.cfg.max_batch_size:
+        while queue and rows + queue[0][2] <= self.slots:
             w = max(width, len(prompts[queue[0][0]]))
             if picked and w * (len(picked) + 1) > self.cfg.prefill_tokens:
                 break

@@ -6,12 +6,15 @@ One cache row ("slot") per sequence. Prefill runs right-padded prompts with caus
 attention on GPU) and writes each prompt's keys/values into the ``n`` rows of its samples (the
 prompt is computed once per group). A decode step feeds one token per active row; rows are kept
 packed in ``[0, B)`` by the scheduler, so the step reads plain slices of the cache and has static
-shapes per (batch, length) bucket, which is what lets it be captured in a CUDA graph.
+shapes per (batch, length) bucket, which is what lets it be captured in a CUDA graph. On CUDA the
+decode step uses the fused Triton kernels of ``triton_ops`` (about ten kernels a layer); on CPU,
+and for Qwen3's q/k norms, plain torch ops (the CPU tests hold these to the HF forward at 1e-5).
 
 Weights are read from the module at every call, except q|k|v and gate|up, which are fused into
-engine-owned copies refreshed at every ``generate``; ``weights_signature`` lets graph owners notice
-re-allocated parameters. Everything else (other architectures, LoRA-wrapped layers, dynamic RoPE, sliding
-windows) is refused by :func:`unsupported_reason` and served by the engine's generic HF path.
+engine-owned copies refreshed at every ``generate``; ``weights_signature`` lets graph owners
+notice re-allocated parameters. Everything else (other architectures, LoRA-wrapped layers,
+dynamic RoPE, sliding windows) is refused by :func:`unsupported_reason` and served by the
+engine's generic HF path.
 """
 from __future__ import annotations
 
