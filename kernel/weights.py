@@ -12,7 +12,7 @@ imported inside the functions: importing this module stays free.
   ``wire_plan`` says which tensors of a broadcast bucket travel packed and which on their own;
 * verification: ``engine_checksums`` + ``expect_same`` (raise ``MilesError`` naming the first
   tensor that differs);
-* process groups: ``open_store``/``new_group``/``broadcast`` build a group of their own (a TCP
+* process groups: ``open_store``/``new_group``/``broadcast_all`` build a group of their own (a TCP
   store + a gloo or NCCL group object) that never touches the default group, so a multi-rank
   trainer and a one-process engine can join it alike;
 * the ``disk`` transport's folder format: ``read_manifest``/``load_version``.
@@ -273,7 +273,14 @@ def new_group(store: Any, rank: int, world_size: int, group_name: str, backend: 
 
 
 def broadcast(group: Any, t: "torch.Tensor", root: int = 0, check: Any = None) -> None:
-    """Broadcast ``t``'s bytes from ``root`` (as uint8, so every dtype works on every backend).
+    """Broadcast ``t``'s bytes from ``root`` (see ``broadcast_all``)."""
+    broadcast_all(group, [t], root, check)
+
+
+def broadcast_all(group: Any, tensors: Sequence["torch.Tensor"], root: int = 0, check: Any = None) -> None:
+    """Broadcast each tensor's bytes from ``root``, in order (as uint8, so every dtype works on
+    every backend). All operations are queued before the first wait: the backend runs them back
+    to back, with no thread hand-off between messages on either side.
 
     ``check`` (trainer side) is called about once a second while the peers have not all joined,
     so that an engine whose call failed stops the wait at once instead of at the group timeout.
@@ -282,13 +289,19 @@ def broadcast(group: Any, t: "torch.Tensor", root: int = 0, check: Any = None) -
 
     opts = dist.BroadcastOptions()
     opts.rootRank = root
-    flat = t.reshape(-1)
-    if flat.dtype != _uint8():
-        flat = flat.view(_uint8())
-    work = group.broadcast([flat], opts)
+    works = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        works.append((group.broadcast([flat if flat.dtype == _uint8() else flat.view(_uint8())], opts),
+                      flat.is_cuda))
+    for work, cuda in works:
+        _wait(work, cuda, check)
+
+
+def _wait(work: Any, cuda: bool, check: Any) -> None:
     if check is None:
         work.wait()
-    elif flat.is_cuda:
+    elif cuda:
         # NCCL's wait() only orders streams; the host learns of completion by polling
         import time
 

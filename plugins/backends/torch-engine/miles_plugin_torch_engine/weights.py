@@ -12,10 +12,12 @@ Formats of ``update_weights_from_tensor`` (trainer and engine on one host):
   memory segment ``NAME``. With ``adopt`` the engine's CPU parameters of the same dtype become
   views of the segment (no copy at all; the trainer writes the next version into a second
   segment, so these views stay valid until the version after); otherwise bytes are copied in.
-* ``{"format": "miles-cuda-ipc/1", "tensors": [{"name", "handle"}, ...]}``: ``handle`` is a
-  base64 pickle of ``torch.multiprocessing.reductions.reduce_tensor(t)``; each tensor is copied
-  from the trainer's GPU memory straight into the parameter. Unpickling is restricted to the
-  classes that payload contains.
+* ``{"format": "miles-cuda-ipc/1", "handle": H, "size": BYTES, "tensors": [{"name", "dtype",
+  "shape", "offset"}, ...]}``: ``H`` is a base64 pickle of
+  ``torch.multiprocessing.reductions.reduce_tensor(buf)`` for the trainer's uint8 GPU buffer
+  holding the bucket; tensors are copied out of it into the parameters, and the engine
+  synchronises before returning (the trainer may then reuse the buffer). Unpickling is
+  restricted to the classes that payload contains.
 """
 from __future__ import annotations
 
@@ -155,24 +157,28 @@ class WeightReceiver:
 
     def _receive(self, group, dev, names, dtypes, shapes, weight_version, pack_below: int) -> None:
         plan = W.wire_plan(dtypes, shapes, pack_below)
-        errors: list[Exception] = []
+        into: list[torch.Tensor] = []  # receive buffers in wire order, all posted at once
+        staged: list[tuple[str, torch.Tensor]] = []  # (name, tensor) to copy in once received
         if plan.packed:
             buf = self._recv_buffer(plan.packed_bytes, dev)
-            W.broadcast(group, buf)
+            into.append(buf)
             got = W.views(buf, [dtypes[i] for i in plan.packed], [shapes[i] for i in plan.packed],
                           plan.offsets)
-            for i, t in zip(plan.packed, got):
-                self._try(errors, self._assign, names[i], t)
+            staged += [(names[i], t) for i, t in zip(plan.packed, got)]
         for i in plan.direct:
             dtype, shape = W.to_dtype(dtypes[i]), tuple(int(d) for d in shapes[i])
             dst = self._targets.get(names[i])
             if (dst is not None and dst.dtype == dtype and tuple(dst.shape) == shape and dst.device == dev
                     and dst.is_contiguous() and id(dst) not in self._ws.adopted):
-                W.broadcast(group, dst)  # received in place: no copy
+                into.append(dst.data)  # received in place: no copy
                 continue
             tmp = torch.empty(shape, dtype=dtype, device=dev)
-            W.broadcast(group, tmp)
-            self._try(errors, self._assign, names[i], tmp)
+            into.append(tmp)
+            staged.append((names[i], tmp))
+        W.broadcast_all(group, into)
+        errors: list[Exception] = []
+        for name, t in staged:
+            self._try(errors, self._assign, name, t)
         if errors:
             raise errors[0]
         self._set_version(weight_version)
@@ -212,8 +218,7 @@ class WeightReceiver:
         if fmt == SHM_FORMAT:
             self._from_segment(desc, weight_version)
         elif fmt == CUDA_IPC_FORMAT:
-            for entry in desc["tensors"]:
-                self._assign(entry["name"], _rebuild_cuda(entry["handle"]))
+            self._from_cuda(desc)
         else:
             raise MilesError(f"torch engine: unknown tensor payload format {fmt!r} "
                              f"(expected {SHM_FORMAT!r} or {CUDA_IPC_FORMAT!r})")
@@ -231,6 +236,20 @@ class WeightReceiver:
         adopt = bool(desc.get("adopt")) and self.device.type == "cpu"
         for e, t in zip(entries, got):
             self._assign(e["name"], t, adopt=adopt)
+
+    def _from_cuda(self, desc: dict) -> None:
+        buf = _rebuild_cuda(desc["handle"])[:int(desc["size"])]
+        entries = desc["tensors"]
+        got = W.views(buf, [e["dtype"] for e in entries], [e["shape"] for e in entries],
+                      [int(e["offset"]) for e in entries])
+        try:
+            for e, t in zip(entries, got):
+                self._assign(e["name"], t)
+        finally:
+            # the copies must be done before the trainer reuses or frees its buffer
+            for dev in {buf.device, self._param_device()}:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
 
     def _segment(self, name: str, size: int) -> torch.Tensor:
         """The trainer's segment, mapped once and kept: a fresh mapping costs a page fault per

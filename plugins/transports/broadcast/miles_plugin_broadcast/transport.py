@@ -102,12 +102,12 @@ class BroadcastTransport:
                 raise MilesError(f"weight sync: engines did not take part in a broadcast within "
                                  f"{self.cfg.timeout_s:.0f} s (sync.timeout_s)")
 
+        out = [tensors[i].contiguous() for i in plan.direct]
         if plan.packed:
             buf = self._buffer(plan.packed_bytes, tensors[0].device)
             W.pack([tensors[i] for i in plan.packed], plan.offsets, buf)
-            W.broadcast(self._group, buf, check=check)
-        for i in plan.direct:
-            W.broadcast(self._group, tensors[i].contiguous(), check=check)
+            out.insert(0, buf)
+        W.broadcast_all(self._group, out, check=check)
         calls.join(max(1.0, deadline - time.monotonic()))
 
     def _pack_below(self) -> int:

@@ -4,9 +4,9 @@ CPU tensors: a bucket's bytes are copied into a POSIX shared memory segment the 
 (a fresh segment costs a page fault per page, so segments are reused), and the engine gets a
 small JSON descriptor: segment name, per tensor its name, dtype, shape and byte offset. With
 ``adopt`` the trainer alternates two segments per bucket: the engine's parameters become views of
-the segment written for version v, so version v+1 goes to the other one. CUDA tensors: one CUDA
-IPC handle per tensor (``reduce_tensor``), so the engine copies straight from the trainer's GPU
-memory. Formats are documented in the torch engine's ``weights`` module (the receiving side).
+the segment written for version v, so version v+1 goes to the other one. CUDA tensors: the bucket
+is packed into one GPU buffer whose CUDA IPC handle (``reduce_tensor``) travels with the same
+per-tensor offsets; the engine copies out of the trainer's GPU memory into its parameters. Formats are documented in the torch engine's ``weights`` module (the receiving side).
 """
 from __future__ import annotations
 
@@ -69,12 +69,9 @@ def _close_all(segments: dict) -> None:
         _close(segments.popitem()[1])
 
 
-def shm_payload(pool: SegmentPool, key: Any, bucket: Sequence[tuple[str, torch.Tensor]],
-                adopt: bool) -> dict:
-    """Copy ``bucket`` into the pool's segment ``key``; the descriptor the engine reads it by.
-
-    Tensors sharing memory (tied embeddings) are stored once and point at the same offset.
-    """
+def _layout(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[dict], list, int]:
+    """Per tensor {name, dtype, shape, offset} in a packed buffer, the (tensor, offset) pairs to
+    copy, and the buffer's size. Tensors sharing memory (tied embeddings) are stored once."""
     entries, first, slots, end = [], {}, [], 0
     for name, t in bucket:
         ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.data_ptr() else None
@@ -85,19 +82,30 @@ def shm_payload(pool: SegmentPool, key: Any, bucket: Sequence[tuple[str, torch.T
             if ident is not None:
                 first[ident] = off
         entries.append({"name": name, "dtype": W.dtype_name(t.dtype), "shape": list(t.shape), "offset": off})
-    segment, buf = pool.get(key, end)
+    return entries, slots, end
+
+
+def shm_payload(pool: SegmentPool, key: Any, bucket: Sequence[tuple[str, torch.Tensor]],
+                adopt: bool) -> dict:
+    """Copy ``bucket`` into the pool's segment ``key``; the descriptor the engine reads it by."""
+    entries, slots, size = _layout(bucket)
+    segment, buf = pool.get(key, size)
     W.pack([t for t, _ in slots], [o for _, o in slots], buf)
-    return {"format": SHM_FORMAT, "segment": segment, "size": end, "adopt": adopt, "tensors": entries}
+    return {"format": SHM_FORMAT, "segment": segment, "size": size, "adopt": adopt, "tensors": entries}
 
 
-def cuda_payload(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[dict, list[torch.Tensor]]:
-    """The descriptor and the tensors it points into (keep them alive until the engine is done)."""
+def cuda_payload(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[dict, torch.Tensor]:
+    """``bucket`` packed into one GPU buffer, and the descriptor holding its CUDA IPC handle.
+
+    One handle per bucket: opening a handle and waiting on its event cost the engine far more
+    than copying a small tensor, so per-tensor handles are slow for models of many tensors.
+    Keep the buffer alive until the engine has returned (it synchronises before it does).
+    """
     from torch.multiprocessing.reductions import reduce_tensor
 
-    keep, entries = [], []
-    for name, t in bucket:
-        t = t.detach().contiguous()
-        keep.append(t)
-        handle = base64.b64encode(pickle.dumps(reduce_tensor(t))).decode("ascii")
-        entries.append({"name": name, "handle": handle})
-    return {"format": CUDA_IPC_FORMAT, "tensors": entries}, keep
+    entries, slots, size = _layout(bucket)
+    buf = torch.empty(size, dtype=torch.uint8, device=slots[0][0].device)
+    W.pack([t for t, _ in slots], [o for _, o in slots], buf)
+    # reduce_tensor records an event after the packing copies; the engine waits on it
+    handle = base64.b64encode(pickle.dumps(reduce_tensor(buf))).decode("ascii")
+    return {"format": CUDA_IPC_FORMAT, "handle": handle, "size": size, "tensors": entries}, buf

@@ -49,7 +49,7 @@ class TensorTransport:
     def _send(self, index: int, bucket: list, engines: Sequence[Any], version: int) -> None:
         from .handoff import SegmentPool, cuda_payload, shm_payload
 
-        keep: list = []
+        keep = None
         if all(t.is_cuda for _, t in bucket):
             payload, keep = cuda_payload(bucket)
         else:
@@ -59,7 +59,7 @@ class TensorTransport:
         W.parallel([lambda e=e: e.update_weights_from_tensor([payload], load_format=payload["format"],
                                                               weight_version=version)
                     for e in engines])
-        del keep  # the engines have copied out of the trainer's GPU memory
+        del keep  # the engines have copied out of the trainer's GPU buffer
 
     def close(self) -> None:
         """Unlink the shared memory segments (also done when the transport is collected)."""
