@@ -51,3 +51,50 @@ def test_signal_checkpoints_the_finished_step_and_rerun_resumes(tmp_path, sig):
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resuming from step {last}" in r.stdout
     assert [g["step"] for g in rows(out)] == list(range(0, last + 3))
+
+
+NAN_LOSS = '''
+import os
+from miles import hookimpl
+CALLS = {"rl": 0}
+BAD = {int(x) for x in os.environ["NAN_STEPS"].split(",")}
+
+@hookimpl
+def miles_loss(batch, logprobs):
+    if not batch.samples[0].logprobs:  # warm-start (supervised) batches keep their loss
+        return None
+    CALLS["rl"] += 1
+    if CALLS["rl"] in BAD or -1 in BAD:
+        return (logprobs * float("nan")).sum(), {}
+    return None
+'''
+
+
+def _nan_run(tmp_path, bad: str, steps: int):
+    plugin = tmp_path / "nan_loss.py"
+    plugin.write_text(NAN_LOSS)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}", f"run.steps={steps}",
+           "run.warm_start.max_steps=5", "algorithm.filter_zero_variance=false", "--plugin", str(plugin)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "NAN_STEPS": bad})
+    return r, out
+
+
+def test_nan_loss_skips_the_step_and_is_counted(tmp_path):
+    r, out = _nan_run(tmp_path, "2", steps=4)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {g["step"]: g for g in rows(out)}
+    assert got[2].get("nonfinite_skipped") == 1.0 and "nonfinite_skipped" not in got[3]
+    assert [got[s]["nonfinite_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert all(v == v for v in got[4].values() if isinstance(v, float))  # weights stayed finite
+
+
+def test_k_nan_steps_in_a_row_checkpoint_and_end_the_run(tmp_path):
+    r, out = _nan_run(tmp_path, "-1", steps=20)
+    assert r.returncode == 2
+    assert ("miles: error: 3 training steps in a row (steps 1-3) had a NaN/inf loss or gradient and "
+            "were skipped; the last good weights are checkpointed at step 3") in r.stderr
+    assert "Traceback" not in r.stderr
+    assert (out / "checkpoints" / "step_000003" / "state.json").is_file()
+    assert [g["step"] for g in rows(out)] == [0, 1, 2, 3]

@@ -241,9 +241,15 @@ class FSDP2Trainer:
             # the key has a space so no loss_fn metric can collide with it
             totals = dist_.sum_metrics({**totals, " loss": loss_sum})
             loss_sum = totals.pop(" loss")
-        totals.update(loss=loss_sum, grad_norm=self._clip(), lr=self.sched.get_last_lr()[0])
-        self.optim.step()
-        self.sched.step()
+        norm = self._clip()
+        totals.update(loss=loss_sum, grad_norm=norm, lr=self.sched.get_last_lr()[0])
+        # a NaN/inf loss or gradient skips the update (the norm is global: every rank agrees);
+        # the loop counts these and stops after run.max_nonfinite_steps in a row
+        if math.isfinite(loss_sum) and math.isfinite(norm):
+            self.optim.step()
+            self.sched.step()
+        else:
+            totals["nonfinite_skipped"] = 1.0
         self.optim.zero_grad(set_to_none=True)
         return totals
 
