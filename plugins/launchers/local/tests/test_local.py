@@ -131,3 +131,27 @@ def test_ctrl_c_checkpoints_stops_children_and_rerun_resumes(tmp_path):
     assert rc == 0, err[-3000:]
     assert f"resuming from step {last}" in stdout
     assert [r["step"] for r in rows(out)] == list(range(last + 2))
+
+
+def test_two_trainer_ranks_broadcast_to_an_engine_process(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = finish(launch(out, "launcher.trainer_ranks=2", "launcher.engines=1", "run.steps=3",
+                               "sync.name=broadcast", "sync.verify=true"))
+    assert rc == 0, err[-3000:]
+    got = rows(out)
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert (out / "logs" / "trainer-1.log").is_file()
+    assert run_processes(out) == []
+
+
+def test_two_colocated_ranks_then_resume_at_world_size_one(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = finish(launch(out, "launcher.trainer_ranks=2", "launcher.engines=0", "run.steps=2",
+                               "run.checkpoint_every=2"))
+    assert rc == 0, err[-3000:]
+    r = subprocess.run([sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}",
+                        "run.steps=4", "run.warm_start.max_steps=5"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step 2" in r.stdout
+    assert [g["step"] for g in rows(out)] == [0, 1, 2, 3, 4]
