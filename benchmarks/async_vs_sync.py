@@ -1,0 +1,134 @@
+"""Sync vs fully asynchronous RL on the same recipe, placement and number of trained samples.
+
+Both runs start from one warm-started model (the quickstart's supervised phase, run once and
+exported), use the local launcher with one engine worker process and one trainer process (one
+CPU thread each, so rollout and training take comparable time), and train the same number of
+steps of ``rollout.batch_size`` groups. Only ``run.mode`` differs. Printed: samples per second of
+each (trained samples / summed step time), learning at equal samples (reward over the last steps
+and final greedy eval accuracy), and a PNG of both learning curves (reward vs trained samples).
+The last line is the samples-per-second ratio.
+
+    python benchmarks/async_vs_sync.py [--steps 40] [--quick] [--out benchmarks/out]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def miles(*args: str) -> None:
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "miles.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"`miles {' '.join(args)}` failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    print(f"  miles {args[0]} ... ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def warm_model(work: Path, quick: bool) -> Path:
+    """The quickstart's warm start, run once and exported as a Hugging Face folder."""
+    folder = work / "warm_model"
+    if folder.is_dir():
+        return folder
+    ws = ["run.warm_start.max_steps=150", "run.warm_start.min_steps=100"] if quick else []
+    miles("train", "recipes/quickstart.yaml", f"run.out_dir={work / 'warm'}", "run.steps=0", *ws)
+    miles("export", str(work / "warm"), "--to", str(folder))
+    return folder
+
+
+def recipe(model: Path, mode: str, steps: int, out: Path) -> Path:
+    cfg = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
+    cfg["model"] = {"name": "hf", "path": str(model)}
+    cfg["run"].pop("warm_start")
+    cfg["run"].update(steps=steps, out_dir=str(out), eval_every=steps, checkpoint_every=steps,
+                      threads=1, mode=mode)
+    cfg["trainer"]["warmup_steps"] = 0
+    # every step trains exactly batch_size groups in both modes (no zero-variance filter, whose
+    # refill rounds would make the two modes train different numbers of samples)
+    cfg["algorithm"]["filter_zero_variance"] = False
+    cfg["rollout"].update(max_staleness=1, oversample_rounds=0)
+    cfg["launcher"] = {"name": "local", "engines": 1, "engine_threads": 1}
+    cfg["loggers"] = [{"name": "console", "every": 10}]
+    path = out.parent / f"{mode}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def summary(out: Path, n: int) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    samples = [r["groups_kept"] * n for r in steps]
+    seconds = sum(r["step_seconds"] for r in steps)
+    tail = steps[-max(1, len(steps) // 4):]
+    return {"samples_per_s": sum(samples) / seconds, "seconds": seconds, "samples": sum(samples),
+            "curve": [(sum(samples[: i + 1]), r["reward_mean"]) for i, r in enumerate(steps)],
+            "reward_tail": sum(r["reward_mean"] for r in tail) / len(tail),
+            "eval_first": rows[0]["eval_accuracy"], "eval_last": steps[-1].get("eval_accuracy"),
+            "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in steps) / len(steps)}
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("  (matplotlib not installed: pip install matplotlib for the PNG)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, r in results.items():
+        xs, ys = zip(*r["curve"])
+        ax.plot(xs, ys, label=f"{mode} ({r['samples_per_s']:.0f} samples/s)")
+    ax.set_xlabel("trained samples")
+    ax.set_ylabel("reward_mean")
+    ax.set_title("miles: sync vs async GRPO (quickstart task, 1 engine + 1 trainer process)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"  learning curves: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--quick", action="store_true", help="shorter warm start and 12 steps (a smoke run)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "async_vs_sync"))
+    args = ap.parse_args()
+    work = Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    steps = 12 if args.quick else args.steps
+    print("warm start (once, shared by both runs)")
+    model = warm_model(work, args.quick)
+    n = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())["rollout"]["n"]
+    results = {}
+    for mode in ("sync", "async"):
+        out = work / mode
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        print(f"{mode}: {steps} steps")
+        miles("train", str(recipe(model, mode, steps, out)))
+        results[mode] = summary(out, n)
+    for mode, r in results.items():
+        print(f"  {mode:5s}: {r['samples']} samples in {r['seconds']:.1f} s = {r['samples_per_s']:.1f} "
+              f"samples/s; reward (last quarter) {r['reward_tail']:.3f}; eval_accuracy "
+              f"{r['eval_first']:.3f} -> {r['eval_last']:.3f}; staleness_mean {r['staleness_mean']:.2f}")
+    s, a = results["sync"], results["async"]
+    print(f"  learning at equal samples: async - sync reward (last quarter) {a['reward_tail'] - s['reward_tail']:+.3f}, "
+          f"final eval accuracy {a['eval_last'] - s['eval_last']:+.3f}")
+    plot(results, work / "async_vs_sync.png")
+    print(f"async_vs_sync samples/s ratio: {a['samples_per_s'] / s['samples_per_s']:.2f}x "
+          f"(async {a['samples_per_s']:.1f} vs sync {s['samples_per_s']:.1f} samples/s)")
+
+
+if __name__ == "__main__":
+    main()
