@@ -1,0 +1,82 @@
+"""Learning tests for recipes/gspo.yaml, ppo.yaml and reinforce_pp.yaml.
+
+The supervised warm start is shared: one session fixture runs it once (``run.steps=0`` writes
+the warm-started model as the step-0 checkpoint, with its step-0 ``eval_accuracy`` row); each
+test copies that run folder and runs the same command a user would, which resumes from the
+checkpoint (DESIGN section 2) and trains ``STEPS`` RL steps with the recipe's algorithm. The
+fixture uses reinforce_pp.yaml because that recipe needs a reference model, so the checkpoint
+carries one for every algorithm; ppo's critic is built from the loaded policy on first use.
+
+Each test asserts the greedy eval accuracy (500 held-out problems) rises by at least ``MARGIN``
+over the step-0 value after ``STEPS`` RL steps. Measured gains after 40 steps, 6 runs per
+algorithm (warm-start seeds 0-3, plus RL seeds 7 and 8 from warm-start seed 0; CPU, 2 pinned
+cores, torch 2.11): gspo +0.23..+0.31 (mean +0.27), ppo (one mini-batch) +0.21..+0.27 (+0.25),
+reinforce_pp +0.18..+0.27 (+0.24), reinforce_pp baseline +0.18..+0.26 (+0.23); here (torch 2.13,
+seed 0): +0.27, +0.22, +0.25, +0.22. The margin 0.10 sits 0.08 below the smallest gain seen,
+and well above eval noise (binomial std of one evaluation ~0.022 at accuracy 0.6; consecutive
+warm-start evaluations at the plateau move by up to ~0.05), so a run that does not learn fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 40
+MARGIN = 0.10
+
+
+def _train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "miles.cli", "train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def warm_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("warm") / "run"
+    r = _train("recipes/reinforce_pp.yaml", f"run.out_dir={out}", "run.steps=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    step0 = _rows(out)[0]["eval_accuracy"]
+    # the premise of the recipes: imitation plateaus near the share of problems the sloppy
+    # teacher gets right, leaving room for RL
+    assert 0.35 <= step0 <= 0.8, f"warm start ended at eval_accuracy {step0}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, overrides, metrics", [
+    ("gspo", [], ["pg_clipfrac"]),
+    ("ppo", [], ["value_loss", "explained_variance", "critic_grad_norm", "tis_weight_mean"]),
+    ("reinforce_pp", [], ["kl_reward", "mismatch_masked_frac"]),
+    ("reinforce_pp", ["algorithm.baseline=true", "algorithm.filter_zero_variance=true"], ["kl_reward"]),
+], ids=["gspo", "ppo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_recipe_learns_from_the_warm_start(warm_run, tmp_path, recipe, overrides, metrics):
+    out = tmp_path / "run"
+    shutil.copytree(warm_run, out)
+    t0 = time.perf_counter()
+    r = _train(f"recipes/{recipe}.yaml", f"run.out_dir={out}", f"run.steps={STEPS}",
+               f"run.eval_every={STEPS}", "run.checkpoint_every=1000", *overrides)
+    seconds = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from step 0" in r.stdout and "warm start" not in r.stdout
+    rows = _rows(out)
+    assert [row["step"] for row in rows] == list(range(STEPS + 1))
+    before, after = rows[0]["eval_accuracy"], rows[-1]["eval_accuracy"]
+    trained = [row for row in rows[1:] if "loss" in row]
+    assert trained, "no step made an update"
+    for key in [*metrics, "train_rollout_logprob_abs_diff"]:
+        assert key in trained[-1], f"{key} not logged"
+    print(f"{recipe} {overrides}: eval_accuracy {before:.3f} -> {after:.3f} in {STEPS} steps, {seconds:.0f} s")
+    assert after - before >= MARGIN, f"{recipe}: eval_accuracy {before:.3f} -> {after:.3f}"
