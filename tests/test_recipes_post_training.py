@@ -33,11 +33,11 @@ def accuracy(rows: list[dict]) -> list[float]:
 
 @pytest.fixture(scope="session")
 def sft_run(tmp_path_factory):
-    """recipes/sft.yaml for 300 of its 600 steps: the env writes the dataset files, SFT reads
+    """recipes/sft.yaml for 400 of its 600 steps: the env writes the dataset files, SFT reads
     train.jsonl with datasets and trains on packed rows."""
     out = tmp_path_factory.mktemp("sft")
     rows = train("sft.yaml", out / "run", f"env.export_dir={out}/data",
-                 f"algorithm.data={out}/data/train.jsonl", "run.steps=300", "run.eval_every=300")
+                 f"algorithm.data={out}/data/train.jsonl", "run.steps=400", "run.eval_every=400")
     return rows, out, export(out / "run")
 
 
@@ -54,19 +54,21 @@ def test_sft_recipe_learns_from_a_dataset_file(sft_run):
     rows, out, _ = sft_run
     assert (out / "data" / "train.jsonl").is_file() and (out / "data" / "eval.jsonl").is_file()
     acc = accuracy(rows)
-    # measured at step 300 (seeds 0/1/2): 0.81, 0.73, ...; from 0.0 at step 0
-    assert acc[0] < 0.05 and acc[-1] >= 0.4, acc
+    # measured on 2 cores: 0.0 at step 0; 0.82 and 0.89 at step 400 (seeds 0, 1), 0.81 / 0.73
+    # at step 300: the curve's jump comes between steps 150 and 250
+    assert acc[0] < 0.05 and acc[-1] >= 0.5, acc
     losses = [r["sft_loss"] for r in rows if "sft_loss" in r]
     assert losses[-1] < 0.5 * losses[0]
 
 
 def test_lora_recipe_learns_and_syncs_only_adapters(warm_base, tmp_path):
     start, base = warm_base
-    rows = train("lora.yaml", tmp_path / "run", f"model.base.path={base}", "run.steps=100",
-                 "run.eval_every=100", "run.checkpoint_every=100")
+    rows = train("lora.yaml", tmp_path / "run", f"model.base.path={base}", "run.steps=50",
+                 "run.eval_every=50", "run.checkpoint_every=50")
     acc = accuracy(rows)
     assert acc[0] == pytest.approx(start, abs=0.02)  # the same weights as the base
-    # measured gain after 100 steps (seeds 0/1/2): ...
+    # measured from a 0.61 base: +0.22 / +0.23 after 50 steps (lr 1e-3 / 2e-3; full-parameter
+    # GRPO: +0.23), +0.28 after 100, +0.31 after 300
     assert acc[-1] - acc[0] >= 0.1, acc
     full = sum(f.stat().st_size for f in base.glob("*.safetensors"))
     synced = {r["weight_sync_bytes"] for r in rows if "weight_sync_bytes" in r}
@@ -84,7 +86,8 @@ def test_distill_recipe_beats_the_students_start(warm_base, sft_run):
     rows = train("distill.yaml", Path(sft_run[1]) / "distill", "model.config=null", f"model.path={student}",
                  "run.warm_start=null", f"algorithm.teacher={teacher}", "run.steps=50", "run.eval_every=50")
     acc = accuracy(rows)
-    # measured gain after 50 steps (seeds 0/1): ...
+    # measured from a 0.61 student with a 0.90 teacher: +0.16 to +0.21 after 50 steps over four
+    # variants (64x4 or 256x1 samples, lr 2e-4 or 5e-4, with or without the reward term)
     assert acc[-1] - acc[0] >= 0.08, acc
     kl = [r["distill_reverse_kl"] for r in rows if "distill_reverse_kl" in r]
     assert sum(kl[-10:]) < sum(kl[:10])  # the student moves towards the teacher
@@ -95,9 +98,10 @@ def test_true_on_policy_recipe_is_bitwise_and_learns(warm_base, tmp_path):
     rows = train("true_on_policy.yaml", tmp_path / "run", "model.config=null", f"model.path={base}",
                  "run.warm_start=null", "run.steps=100", "run.eval_every=100")
     diffs = [r["train_rollout_logprob_abs_diff"] for r in rows if "train_rollout_logprob_abs_diff" in r]
-    assert len(diffs) == 100 and set(diffs) == {0.0}
+    assert len(diffs) >= 90 and set(diffs) == {0.0}  # a step whose groups were all dropped has none
     acc = accuracy(rows)
-    # measured gain after 100 steps: ...
+    # measured from a 0.61 start: +0.23 after 50 steps, +0.27 after 100 (as without the mode:
+    # with one mini-batch the gradient is the same, only the reported log-probs change)
     assert acc[-1] - acc[0] >= 0.1, acc
 
 
