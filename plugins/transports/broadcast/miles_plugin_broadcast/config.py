@@ -19,7 +19,10 @@ class BroadcastSyncConfig(BaseModel):
                                   "packing copies). None: 1 MiB with gloo, 16 MiB with NCCL; 0: one "
                                   "broadcast per tensor (what SGLang servers expect)")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl when the "
-                                                     "trainer's weights are on a GPU, else gloo")
+                                                     "trainer's weights are on a GPU, else gloo. "
+                                                     "NCCL needs the engines on other GPUs than "
+                                                     "trainer rank 0 (one GPU shared: use "
+                                                     "sync.name=tensor)")
     master_address: str = Field("127.0.0.1", description="address at which engines reach trainer "
                                 "rank 0 (set this host's IP when engines run on other machines)")
     master_port: int = Field(0, ge=0, le=65535, description="rendezvous port on trainer rank 0; 0 "

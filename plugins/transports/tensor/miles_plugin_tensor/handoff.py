@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Sequence
 
 import torch
+from miles import MilesError
 from miles import weights as W
 
 SHM_FORMAT, CUDA_IPC_FORMAT = W.SHM_FORMAT, W.CUDA_IPC_FORMAT
@@ -41,6 +42,7 @@ class SegmentPool:
         if have is None or have[1].numel() < size:
             if have is not None:
                 _close(self.segments.pop(key))
+            _check_room(size)
             self.created += 1
             shm = shared_memory.SharedMemory(create=True, size=max(size, 1),
                                              name=f"{self.prefix}_{self.created}")
@@ -49,6 +51,21 @@ class SegmentPool:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _check_room(size: int) -> None:
+    """A segment larger than the room left in /dev/shm is created fine but kills the process
+    with SIGBUS at the first write past the limit: refuse it with a way out instead."""
+    import shutil
+
+    if not os.path.isdir("/dev/shm"):
+        return
+    free = shutil.disk_usage("/dev/shm").free
+    if size > free:
+        raise MilesError(f"tensor transport: a {size / 2**20:.0f} MiB shared memory segment does not "
+                         f"fit in /dev/shm ({free / 2**20:.0f} MiB free). Enlarge it (docker run "
+                         "--shm-size), lower sync.bucket_mb, set sync.adopt=false (one segment set "
+                         "instead of two), or use sync.name=broadcast")
 
 
 def _close(entry: tuple[Any, torch.Tensor]) -> None:

@@ -163,3 +163,16 @@ def test_cuda_ipc_into_an_engine_process_on_the_gpu():
         assert transport._pool is None  # no shared memory involved
     finally:
         engine.close()
+
+
+def test_a_segment_too_big_for_dev_shm_is_refused_with_a_way_out(monkeypatch):
+    import shutil
+
+    from miles_plugin_tensor import handoff
+
+    usage = shutil.disk_usage("/dev/shm")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    pool = handoff.SegmentPool()
+    with pytest.raises(MilesError, match=r"does not fit in /dev/shm.*sync.bucket_mb"):
+        handoff.shm_payload(pool, 0, list(Policy().named_weights()), adopt=True)
+    pool.close()
