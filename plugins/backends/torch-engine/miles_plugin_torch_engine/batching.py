@@ -36,6 +36,10 @@ def select_fast_path(cfg: Any, model: torch.nn.Module, device: torch.device) -> 
         return None
     if cfg.impl == "auto" and device.type != "cuda":
         return None  # on CPU the HF path is the reference the fast path is tested against
+    if device.type == "cpu":
+        from .cpu_decode import CpuFastGenerator
+
+        return CpuFastGenerator(cfg, model)
     return FastGenerator(cfg, model)
 
 
@@ -182,12 +186,16 @@ class FastGenerator:
         self.runner.tok[:live] = tok
         self.runner.pos[:live] += 1
 
+    def _finished(self, rows: list[int], t: int) -> tuple[list, list, list, list]:
+        """Tokens, log-probs, lengths and stop flags of cache rows ``rows`` (host lists)."""
+        r = self.rows
+        idx = torch.tensor(rows, device=self.fwd.device)
+        return r.tokens[idx].tolist(), r.logps[idx].tolist(), r.length[idx].tolist(), r.done[idx].tolist()
+
     def _retire(self, rows: list[int], live: int, t: int) -> int:
         """Hand back finished rows' completions and pack the live rows into ``[0, live')``."""
         r, dev = self.rows, self.fwd.device
-        idx = torch.tensor(rows, device=dev)
-        tokens, logps = r.tokens[idx].tolist(), r.logps[idx].tolist()
-        length, done = r.length[idx].tolist(), r.done[idx].tolist()
+        tokens, logps, length, done = self._finished(rows, t)
         for k, row in enumerate(rows):
             i, j = r.owner[row]
             n = length[k]

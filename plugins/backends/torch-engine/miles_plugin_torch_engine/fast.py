@@ -199,17 +199,34 @@ class LlamaFamilyForward:
         P, T = ids.shape
         h = self.inner.embed_tokens(ids)
         cos, sin = self.cos[:T], self.sin[:T]
-        for li, layer in enumerate(self.inner.layers):
+        at, last = torch.arange(P, device=h.device), lengths - 1
+        layers = self.inner.layers
+        for li, layer in enumerate(layers):
             q, k, v = self._qkv(li, _rms(h, layer.input_layernorm), cos, sin, heads_dim=1)
-            # right padding: causal attention alone keeps real tokens off the pads (no mask needed)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.kv_heads != self.heads)
-            self.k_cache[li, rows, :, :T] = k.repeat_interleave(repeats, dim=0)
-            self.v_cache[li, rows, :, :T] = v.repeat_interleave(repeats, dim=0)
-            h = h + _lin(o.transpose(1, 2).reshape(P, T, -1), layer.self_attn.o_proj)
+            self._store_prompt(li, rows, T, k, v, repeats)
+            gqa = self.kv_heads != self.heads
+            if li + 1 < len(layers):
+                # right padding: causal attention alone keeps real tokens off the pads (no mask needed)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+                h = h + _lin(o.transpose(1, 2).reshape(P, T, -1), layer.self_attn.o_proj)
+                h = self._mlp(li, h)
+                continue
+            # last layer: past its keys/values only each prompt's last token matters (the logits),
+            # so attention, o_proj and the MLP run on P rows instead of P x T
+            mask = (torch.arange(T, device=h.device) < lengths[:, None])[:, None, None]
+            o = F.scaled_dot_product_attention(q[at, :, last].unsqueeze(2), k, v, attn_mask=mask,
+                                               scale=self.scale, enable_gqa=gqa)
+            h = h[at, last] + _lin(o.reshape(P, -1), layer.self_attn.o_proj)
             h = self._mlp(li, h)
-        last = h[torch.arange(P, device=h.device), lengths - 1]
-        return self.logits(last)
+        return self.logits(h)
+
+    def _store_prompt(self, li: int, rows: torch.Tensor, T: int, k: torch.Tensor, v: torch.Tensor,
+                      repeats: torch.Tensor) -> None:
+        """Prompt keys/values ``[P, KV, T, D]`` into cache rows ``rows`` (``repeats[i]`` rows each)."""
+        if k.shape[0] != rows.shape[0]:
+            k, v = k.repeat_interleave(repeats, dim=0), v.repeat_interleave(repeats, dim=0)
+        self.k_cache[li, rows, :, :T] = k
+        self.v_cache[li, rows, :, :T] = v
 
     def decode(self, tok: torch.Tensor, pos: torch.Tensor, length: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
