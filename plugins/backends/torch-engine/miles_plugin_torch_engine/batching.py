@@ -36,7 +36,7 @@ def select_fast_path(cfg: Any, model: torch.nn.Module, device: torch.device) -> 
         return None
     if cfg.impl == "auto" and device.type != "cuda":
         return None  # on CPU the HF path is the reference the fast path is tested against
-    if device.type == "cpu":
+    if device.type == "cpu" and model.lm_head.weight.dtype == torch.float32:
         from .cpu_decode import CpuFastGenerator
 
         return CpuFastGenerator(cfg, model)
@@ -77,6 +77,7 @@ class FastGenerator:
         self.cfg = cfg
         self.fwd = LlamaFamilyForward(model)
         self.runner = DecodeRunner(self.fwd, cfg.cuda_graphs)
+        self.prefill = self.fwd.prefill  # rows ``new`` of ``_admit`` are always one contiguous range
         self.cuda = self.fwd.device.type == "cuda"
         self.sync_every = 16 if self.cuda else 1
         self.stats: dict[str, int] = {}
@@ -91,6 +92,10 @@ class FastGenerator:
                                 f"max_new_tokens ({need}); raise engine.max_seq_len")])
         length = limit or _round_up(need, DecodeRunner.LENGTH_STEP if self.cuda else 16)
         self.fwd.allocate(min(self.cfg.max_batch_size, _round_up(len(prompts) * n, 64)), length)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Engine-owned weight copies from the module's current weights, then graph buffers."""
         self.fwd.refresh()
         self.runner.prepare()
 
@@ -156,7 +161,7 @@ class FastGenerator:
         plens = [len(prompts[i]) for i, _, _ in picked]
         reps = torch.tensor([c for _, _, c in picked], device=dev)
         new = torch.arange(live, rows, device=dev)
-        logits = self.fwd.prefill(ids.to(dev), torch.tensor(plens, device=dev), new, reps)
+        logits = self.prefill(ids.to(dev), torch.tensor(plens, device=dev), new, reps)
         tok, lp = sample(logits.repeat_interleave(reps, dim=0), self.params, self.gen)
         r.tokens[new, 0], r.logps[new, 0] = tok, lp
         r.count[new], r.length[new] = 1, 1

@@ -1,13 +1,32 @@
-"""The fast path's decode step on CPU, in as few torch calls as the math allows.
+"""The fast path on CPU (float32): prefill and decode steps in as few torch calls as the math
+allows, and a scheduler whose per-step bookkeeping stays on the host.
 
-A decode step of a small model on CPU is dominated by the GEMMs and by attention over the cache;
-every other op costs a few microseconds of dispatch whatever its size, so this step is written to
-issue as few as possible (about 15 a layer): RMSNorm as one ``F.rms_norm`` (bit-identical to HF's
-float32 composite, checked at construction, else the composite), q|k|v and gate|up as one GEMM
-each on the fused weights, the residual adds folded into the o/down GEMMs (``addmm``), RoPE as
-``x * cos + roll(x) * sin`` on q and k together, and keys/values written with one slice copy each
-when every row sits at the same position (then attention needs no mask either). Rows at different
-positions take an indexed write and an additive mask made once per step.
+On CPU a decode step of a small model is the GEMMs, attention over the cache, and a few
+microseconds of dispatch per op whatever its size; HF's forward spends most of a step on the
+latter. So a layer here is about 20 calls:
+
+- The engine's weight copies (made at every ``generate``, since the weights may have been
+  replaced) fold each RMSNorm's weight into the GEMM after it (``(w * x) @ W.T == x @ (W * w).T``),
+  so a norm is just the row scale ``rsqrt(mean(x^2) + eps)``; q|k|v and gate|up are one GEMM each;
+  the residual adds happen inside the o/down GEMMs (``addmm``).
+- The q/k rows of each head are reordered to interleave the two halves HF's RoPE pairs up, so RoPE
+  is one complex multiply (bit-identical to HF's ``x * cos + rotate_half(x) * sin``) and writes the
+  rotated keys straight into the cache. Attention only takes dot products of q with k, which the
+  shared reordering leaves unchanged.
+- The cache is stored position-major, ``[layers, slots, positions, KV, D]``, so a row's keys up to
+  any length are one ``[length * KV, D]`` matrix: attention for all heads of a row is one GEMM
+  against it (``baddbmm``), with an additive mask that keeps each query head on its own KV head,
+  then softmax and one GEMM with the values: three batched calls over rows with half the
+  products wasted, cheaper on CPU than SDPA's per-(row, KV head) work at decode sizes.
+- With a small vocabulary (character/byte tokenizers), layer 0's q|k|v of every token id is a
+  table made once per ``generate``: that layer's norm and GEMM become a row lookup.
+- When every row sits at the same position (prompts of one length) the cache writes are slice
+  copies and the mask a constant; otherwise indexed writes and a mask made once per step.
+- The last prefill layer runs attention, o_proj and the MLP only on each prompt's last token (the
+  other tokens only feed that layer's keys/values).
+
+Results equal HF's forward up to float rounding of a different operation order (the CPU tests
+hold greedy tokens to the uncached reference and log-probs to 1e-5 of a full HF forward).
 """
 from __future__ import annotations
 
@@ -15,108 +34,204 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from miles import MilesError
 
 from .batching import FastGenerator
-from .fast import LlamaFamilyForward, _rms
+from .fast import LlamaFamilyForward
 from .sampling import sample
 
-
-def _rms_is_exact(dtype: torch.dtype) -> bool:
-    """Whether ``F.rms_norm`` equals HF's RMSNorm op order bit for bit here (float32 on CPU)."""
-    if dtype != torch.float32:
-        return False
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(7, 96, generator=g) * 3, torch.randn(96, generator=g)
-    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-    return torch.equal(F.rms_norm(x, (96,), w, 1e-6), ref)
+TABLE_ELEMENTS = 1 << 22  # layer 0's q|k|v is tabled per token id below this many table entries
 
 
-class CpuDecoder:
-    """``decode`` of a :class:`LlamaFamilyForward` for CPU; ``prepare`` after every ``refresh``."""
+def _linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+
+
+def _residual(h: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``h + x @ wt (+ bias)``, the add inside the GEMM when there is no bias."""
+    return torch.addmm(h, x, wt) if bias is None else h + torch.addmm(bias, x, wt)
+
+
+def _complex(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` (interleaved halves) as ``[..., D / 2]`` complex, no copy."""
+    return torch.view_as_complex(x.unflatten(-1, (x.shape[-1] // 2, 2)))
+
+
+class _Scale:
+    """An RMSNorm without its weight (folded into the next GEMM): ``x * rsqrt(mean(x^2) + eps)``."""
+
+    def __init__(self, norm: Any):
+        self.eps = torch.tensor(norm.variance_epsilon, dtype=torch.float32)
+        self.inv_n = 1.0 / norm.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x * torch.addcmul(self.eps, n, n, value=self.inv_n).rsqrt_()
+
+
+class _Layer:
+    """One decoder layer's engine-owned weights (transposed for ``mm``, norms folded in)."""
+
+    def __init__(self, layer: Any, rows: torch.Tensor, perm: torch.Tensor, qk_norm: bool):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.scale1, self.scale2 = _Scale(layer.input_layernorm), _Scale(layer.post_attention_layernorm)
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        w = torch.cat([p.weight for p in projs])[rows] * layer.input_layernorm.weight
+        self.wqkv = w.t()
+        self.bqkv = torch.cat([p.bias for p in projs])[rows] if attn.q_proj.bias is not None else None
+        self.wo, self.bo = attn.o_proj.weight.t(), attn.o_proj.bias
+        gate, up = mlp.gate_proj, mlp.up_proj
+        self.wgu = (torch.cat([gate.weight, up.weight]) * layer.post_attention_layernorm.weight).t()
+        self.bgu = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
+        self.wd, self.bd = mlp.down_proj.weight.t(), mlp.down_proj.bias
+        self.inter = mlp.down_proj.in_features
+        self.qk_norms = None
+        if qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE, weights in the reordered layout
+            self.qk_norms = tuple((n.weight[perm], n.variance_epsilon) for n in (attn.q_norm, attn.k_norm))
+        self.table: torch.Tensor | None = None  # q|k|v per token id (layer 0, small vocabularies)
+
+    def qkv(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return F.embedding(ids, self.table)
+        return _linear(self.scale1(h), self.wqkv, self.bqkv)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gu = _linear(self.scale2(h), self.wgu, self.bgu)
+        return _residual(h, F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:]), self.wd, self.bd)
+
+
+class CpuForward:
+    """Prefill and decode over the (position-major) KV cache of a :class:`LlamaFamilyForward`,
+    whose keys are kept in the reordered head layout; ``prepare`` before every ``generate``."""
 
     def __init__(self, fwd: LlamaFamilyForward):
         self.fwd = fwd
-        self.fused_rms = _rms_is_exact(fwd.dtype)
-        self.layers: list[tuple[Any, ...]] = []
+        fwd.positions_major = True
+        self.layers: list[_Layer] = []
 
-    def _norm(self, norm: Any):
-        if self.fused_rms:
-            w, eps, shape = norm.weight, norm.variance_epsilon, (norm.weight.shape[0],)
-            return lambda x: F.rms_norm(x, shape, w, eps)
-        return lambda x: _rms(x, norm)
-
+    @torch.no_grad()
     def prepare(self) -> None:
-        """Per-layer weights as the step uses them (transposed views, norms): read again at every
-        ``generate`` since the weights may have been replaced."""
         f = self.fwd
-        self.layers = []
-        for li, layer in enumerate(f.inner.layers):
-            fused, attn, mlp = f._fused[li], layer.self_attn, layer.mlp
-            self.layers.append((
-                self._norm(layer.input_layernorm), fused["qkv"].t(), fused["qkv_bias"],
-                attn.o_proj.weight.t(), attn.o_proj.bias, self._norm(layer.post_attention_layernorm),
-                fused["gate_up"].t(), fused["gate_up_bias"], mlp.down_proj.weight.t(), mlp.down_proj.bias,
-                (self._norm(attn.q_norm), self._norm(attn.k_norm)) if f.qk_norm else None))
-        self.final_norm = self._norm(f.inner.norm)
-        self.lm_head = f.model.lm_head.weight.t()
+        H, KV, D = f.heads, f.kv_heads, f.head_dim
+        half = D // 2
+        perm = torch.arange(D).view(2, half).t().flatten()  # 0, D/2, 1, D/2 + 1, ...
+        rows = torch.cat([perm + i * D for i in range(H + KV)] + [torch.arange((H + KV) * D, (H + 2 * KV) * D)])
+        self.layers = [_Layer(layer, rows, perm, f.qk_norm) for layer in f.inner.layers]
+        self.scale = _Scale(f.inner.norm)
+        self.lm_head = (f.model.lm_head.weight * f.inner.norm.weight).t()
         self.embed = f.inner.embed_tokens.weight
+        if self.embed.shape[0] * rows.shape[0] <= TABLE_ELEMENTS:
+            self.layers[0].table = self.layers[0].qkv(self.embed, None)
+        # fast.py keeps HF's cos/sin with rotate_half's sign folded into the first half of sin
+        cos, sin = f.cos[:, :half], -f.sin[:, :half]
+        if not (torch.equal(cos, f.cos[:, half:]) and torch.equal(sin, f.sin[:, half:])):
+            raise MilesError("torch engine (CPU fast path): the RoPE table does not repeat its "
+                             "frequencies over the two halves of a head; set engine.impl=hf")
+        self.rot = torch.complex(cos, sin)
+        # additive mask over a row's keys [position, KV head]: query head i only sees KV head i // G
+        own = torch.arange(H)[:, None, None] // (H // KV) == torch.arange(KV)
+        self.block = torch.zeros(H, f.max_len, KV).masked_fill_(~own, float("-inf")).view(H, -1)
+        self.layer_kv = (f.k_cache.transpose(2, 3), f.v_cache.transpose(2, 3))  # storage order
 
-    def decode(self, tok: torch.Tensor, pos: torch.Tensor, length: int, same_pos: int | None,
+    def _heads(self, lw: _Layer, qkv: torch.Tensor, rot: torch.Tensor):
+        """Complex q (rotated) and k (not yet) of ``qkv [..., (H + 2 KV) * D]``, and v."""
+        f = self.fwd
+        H, KV, D = f.heads, f.kv_heads, f.head_dim
+        heads = qkv.unflatten(-1, (H + 2 * KV, D))
+        v = heads.narrow(-2, H + KV, KV)
+        if lw.qk_norms is None:
+            c = _complex(heads)
+            q, k = c.narrow(-2, 0, H), c.narrow(-2, H, KV)
+        else:
+            (wq, eq), (wk, ek) = lw.qk_norms
+            q = _complex(torch.rms_norm(heads.narrow(-2, 0, H), (D,), wq, eq))
+            k = _complex(torch.rms_norm(heads.narrow(-2, H, KV), (D,), wk, ek))
+        return q * rot, k, v
+
+    def _mask(self, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """``block`` plus, per row, -inf past its position: ``[B, H, length * KV]``."""
+        B, H, KV = pos.shape[0], self.fwd.heads, self.fwd.kv_heads
+        hidden = torch.zeros(B, 1, length, 1).masked_fill_(torch.arange(length).view(1, 1, -1, 1) >
+                                                           pos.view(B, 1, 1, 1), float("-inf"))
+        return (hidden + self.block[:, :length * KV].view(H, length, KV)).view(B, H, -1)
+
+    def decode(self, tok: torch.Tensor, pos: torch.Tensor | None, length: int, same_pos: int | None,
                out: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` (into ``out``) of one token per cache row ``0..B-1`` at ``pos``;
-        ``same_pos``: the position every row is at (host int), or None."""
+        """Logits ``[B, V]`` (into ``out``) of one token per cache row ``0..B-1``, fed at
+        ``same_pos`` (a host int: every row there) or else at ``pos [B]``; attends to cache
+        positions ``< length`` (and, with ``pos``, ``<= pos``)."""
         f = self.fwd
         B, H, KV, D = tok.shape[0], f.heads, f.kv_heads, f.head_dim
-        h = F.embedding(tok, self.embed)
+        ks, vs = (c.narrow(1, 0, B) for c in self.layer_kv)  # [layers, B, positions, KV, D]
+        keys = ks.narrow(2, 0, length).flatten(2, 3).transpose(2, 3).unbind(0)  # [B, D, length * KV]
+        values = vs.narrow(2, 0, length).flatten(2, 3).unbind(0)
         if same_pos is not None:
-            cos, sin, mask = f.cos[same_pos], f.sin[same_pos], None
-            write = (slice(0, B), slice(None), same_pos)
+            rot, mask = self.rot[same_pos], self.block[:, :length * KV]
+            k_new, v_new = _complex(ks.select(2, same_pos)).unbind(0), vs.select(2, same_pos).unbind(0)
         else:
-            cos, sin = f.cos[pos].unsqueeze(1), f.sin[pos].unsqueeze(1)
-            mask = torch.zeros((B, 1, 1, length), dtype=h.dtype).masked_fill_(
-                torch.arange(length) > pos.view(B, 1, 1, 1), float("-inf"))
-            write = (torch.arange(B), slice(None), pos)
-        for li, (n1, wqkv, bqkv, wo, bo, n2, wgu, bgu, wd, bd, qk_norms) in enumerate(self.layers):
-            x = n1(h)
-            qkv = (torch.mm(x, wqkv) if bqkv is None else torch.addmm(bqkv, x, wqkv)).view(B, H + 2 * KV, D)
-            if qk_norms is None:
-                qk = qkv[:, :H + KV]
-                qk = qk * cos + torch.roll(qk, D // 2, -1) * sin  # see fast._rope
-                q, k = qk[:, :H], qk[:, H:]
+            rot, mask, at = self.rot[pos].unsqueeze(1), self._mask(pos, length), (torch.arange(B), pos)
+        h = F.embedding(tok, self.embed)
+        for li, lw in enumerate(self.layers):
+            q, k, v = self._heads(lw, lw.qkv(h, tok), rot)
+            if same_pos is not None:
+                torch.mul(k, rot, out=k_new[li])
+                v_new[li].copy_(v)
             else:
-                q, k = qk_norms[0](qkv[:, :H]), qk_norms[1](qkv[:, H:H + KV])
-                q = q * cos + torch.roll(q, D // 2, -1) * sin
-                k = k * cos + torch.roll(k, D // 2, -1) * sin
-            kc, vc = f.k_cache[li], f.v_cache[li]
-            kc[write] = k
-            vc[write] = qkv[:, H + KV:]
-            o = F.scaled_dot_product_attention(q.view(B, KV, H // KV, D), kc[:B, :, :length],
-                                               vc[:B, :, :length], attn_mask=mask, scale=f.scale)
-            o = o.reshape(B, H * D)
-            h = torch.addmm(h, o, wo) if bo is None else h + F.linear(o, wo.t(), bo)
-            gu = torch.mm(n2(h), wgu) if bgu is None else torch.addmm(bgu, n2(h), wgu)
-            inter = gu.shape[1] // 2
-            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-            h = torch.addmm(h, act, wd) if bd is None else h + F.linear(act, wd.t(), bd)
-        return torch.mm(self.final_norm(h), self.lm_head, out=out)
+                self.layer_kv[0][li][at] = torch.view_as_real(k * rot).flatten(-2)
+                self.layer_kv[1][li][at] = v
+            s = torch.baddbmm(mask, torch.view_as_real(q).view(B, H, D), keys[li], alpha=f.scale)
+            o = torch.bmm(torch.softmax(s, -1), values[li]).view(B, H * D)
+            h = lw.mlp(_residual(h, o, lw.wo, lw.bo))
+        return torch.mm(self.scale(h), self.lm_head, out=out)
+
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                repeats: torch.Tensor) -> torch.Tensor:
+        """``LlamaFamilyForward.prefill`` (right-padded prompts ``ids [P, T]``; prompt ``i``'s
+        keys/values into ``repeats[i]`` consecutive rows of ``rows``, which the scheduler always
+        hands as one contiguous range); returns the last-token logits ``[P, V]``."""
+        f = self.fwd
+        (P, T), H, KV, D = ids.shape, f.heads, f.kv_heads, f.head_dim
+        first, count = int(rows[0]), rows.shape[0]
+        flat = ids.flatten()
+        h = F.embedding(flat, self.embed)  # [P * T, hidden]
+        at, last = torch.arange(P), lengths - 1
+        for li, lw in enumerate(self.layers):
+            q, k, v = self._heads(lw, lw.qkv(h, flat).view(P, T, -1), self.rot[:T, None])
+            q, k = torch.view_as_real(q).flatten(-2), torch.view_as_real(k * self.rot[:T, None]).flatten(-2)
+            store = (k, v) if count == P else (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0))
+            for cache, new in zip(self.layer_kv, store):  # [P, T, KV, D] into [rows, positions, KV, D]
+                cache[li, first:first + count, :T] = new
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if li + 1 < len(self.layers):  # right padding: causal attention keeps real tokens off pads
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=f.scale,
+                                                   enable_gqa=KV != H)
+                h = lw.mlp(_residual(h, o.transpose(1, 2).reshape(P * T, H * D), lw.wo, lw.bo))
+                continue
+            # last layer: only each prompt's last token goes on (to the logits)
+            mask = None if int(lengths.min()) == T else (torch.arange(T) < lengths[:, None])[:, None, None]
+            o = F.scaled_dot_product_attention(q[at, :, last].reshape(P, KV, H // KV, D), k, v,
+                                               attn_mask=mask, scale=f.scale)
+            h = lw.mlp(_residual(h.view(P, T, -1)[at, last], o.reshape(P, H * D), lw.wo, lw.bo))
+        return torch.mm(self.scale(h), self.lm_head)
 
 
 class CpuFastGenerator(FastGenerator):
-    """The fast path's scheduler on CPU: the decode step of :class:`CpuDecoder`, and per-step
-    bookkeeping cut to what the host already knows. Positions and token columns follow from each
-    row's prompt length and joining step (host arrays), so no position/count tensors are updated;
-    a row's length is its count (a row that sampled a stop token retires before the next step,
-    which a host check of that step's tokens costs nothing extra to ensure on CPU)."""
+    """The fast path's scheduler on CPU: :class:`CpuForward`'s steps, and per-step bookkeeping cut
+    to what the host already knows. Positions and token columns follow from each row's prompt
+    length and joining step (host arrays), so no position/count tensors are updated; a row's
+    length is its count, since a row that sampled a stop token retires before the next step (the
+    host checks each step's tokens against the stop ids, which costs nothing extra on CPU)."""
 
     def __init__(self, cfg: Any, model: torch.nn.Module):
         super().__init__(cfg, model)
-        self.decoder = CpuDecoder(self.fwd)
-        self.sync_every = 1 << 62  # stop checks are driven by ``_hit`` (set when a stop is sampled)
+        self.cpu = CpuForward(self.fwd)
+        self.prefill = self.cpu.prefill
+        self.sync_every = 1 << 62  # the done flags are read when ``_hit`` says a stop was sampled
         self._hit = False
 
-    def _size_cache(self, prompts, steps: int, n: int) -> None:
-        super()._size_cache(prompts, steps, n)
-        self.decoder.prepare()
+    def _refresh(self) -> None:  # the CPU steps read their own weight copies, not fast.py's
+        self.cpu.prepare()
+        self.runner.prepare()
         self._hit = False
 
     def _retire_finished(self, live: int, t: int, check_done: bool) -> int:
@@ -133,9 +248,9 @@ class CpuFastGenerator(FastGenerator):
         r = self.rows
         offset = r.plen[:live] - r.start[:live]  # a row's position at step t is offset + t
         lo, hi = int(offset.min()), int(offset.max())
+        same = lo + t if lo == hi else None
         pos = None if lo == hi else torch.from_numpy(offset + t)
-        logits = self.decoder.decode(self.runner.tok[:live], pos, hi + t + 1, lo + t if lo == hi else None,
-                                     self.runner.logits[:live])
+        logits = self.cpu.decode(self.runner.tok[:live], pos, hi + t + 1, same, self.runner.logits[:live])
         tok, lp = sample(logits, self.params, self.gen)
         start = r.start[:live]
         if start.min() == start.max():  # one column for all rows: plain slice writes

@@ -101,6 +101,9 @@ class LlamaFamilyForward:
         self.qk_norm = hasattr(attn, "q_norm")  # Qwen3
         self.k_cache = self.v_cache = self.cos = self.sin = None
         self.slots = self.max_len = 0
+        # the CPU steps store the cache position-major ([layers, slots, positions, KV, D], seen
+        # through the same [layers, slots, KV, positions, D] view), see cpu_decode
+        self.positions_major = False
         self._fused: list[dict[str, Any]] = []
         d = self.head_dim
         # fused Triton kernels for decode on CUDA (not for Qwen3's q/k norms: torch ops there)
@@ -157,8 +160,12 @@ class LlamaFamilyForward:
         slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
         self.k_cache = self.v_cache = None  # free the old cache before taking the new one
         shape = (len(self.inner.layers), slots, self.kv_heads, max_len, self.head_dim)
+        if self.positions_major:
+            shape = shape[:2] + (max_len, self.kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.positions_major:
+            self.k_cache, self.v_cache = self.k_cache.transpose(2, 3), self.v_cache.transpose(2, 3)
         # HF's own rotary module makes the table, so rope_theta / scaling types are taken as they are
         pos = torch.arange(max_len, device=self.device)[None]
         cos, sin = self.inner.rotary_emb(self.k_cache[0, 0, 0, :1], pos)

@@ -6,6 +6,10 @@ and top-p on the renormalised distribution; the returned log-prob is the sampled
 an exponential race, ``argmax(logp - log E)`` with ``E ~ Exp(1)`` per token, which samples from
 ``softmax(logp)`` with a handful of full-vocabulary passes and no host sync. At temperature 1 the
 bf16 logits go straight into a float32 ``log_softmax`` (one pass, no float copy).
+
+On CPU without top-k/top-p the draw is an inverse CDF instead: one uniform per row against the
+cumulative probabilities. The race needs a uniform and two logarithms per vocabulary entry, and
+CPU ``log`` is slow (~8 ns an element here): this is about 2.5x cheaper per decode step.
 """
 from __future__ import annotations
 
@@ -38,5 +42,17 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     race = logp
     if 0 < params.top_k < logp.shape[-1] or params.top_p < 1.0:
         race = _filter(logp, params.top_k, params.top_p)
+    elif logp.is_cpu:
+        return _inverse_cdf(logp, gen)
     tok = (race - _log_noise(race, gen)).argmax(dim=-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _inverse_cdf(logp: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ``i`` with probability ``exp(logp[i])``: the first index whose cumulative probability
+    exceeds ``U * total``, ``U ~ U[0, 1)`` (clamped, should rounding put it at the total). A token
+    of probability 0 adds no step to the CDF, so it is never the first to exceed it."""
+    cdf = logp.exp().cumsum_(-1)
+    u = torch.rand((logp.shape[0], 1), generator=gen, device=logp.device).mul_(cdf[:, -1:])
+    tok = torch.searchsorted(cdf, u, right=True).clamp_(max=logp.shape[-1] - 1)
+    return tok.view(-1), logp.gather(-1, tok).view(-1)
