@@ -188,16 +188,17 @@ class Loop:
         return fn
 
     def update(self, samples: list[Sample], advantages: list, algorithm: Any,
-               temperature: float = 1.0) -> dict[str, float]:
-        """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch.
-        ``temperature``: the one the samples were generated at (log-probs are scored at it)."""
+               temperature: float = 1.0, minibatches: int | None = None) -> dict[str, float]:
+        """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch (or
+        ``minibatches``). ``temperature``: the one the samples were generated at (log-probs are
+        scored at it)."""
         trainer = self.p.trainer
         build = getattr(algorithm, "make_batch", None)  # e.g. SFT's sequence packing
         batch = (build or Batch.from_samples)(samples, self.p.tokenizer.pad_token_id, advantages)
         batch.temperature = temperature or 1.0
         if getattr(algorithm, "needs_reference", False):
             batch.ref_logprobs = trainer.logprobs(batch, "ref")
-        k = max(1, min(self.cfg.rollout.minibatches, len(batch)))
+        k = max(1, min(minibatches or self.cfg.rollout.minibatches, len(batch)))
         if k > 1:
             batch.old_logprobs = trainer.logprobs(batch, "policy")
         if self.streamer is not None and self.cfg.rollout.stale_policy == "importance":
@@ -264,7 +265,9 @@ class Loop:
         for step in range(1, ws.max_steps + 1):
             if self.share(self.stop_signal):
                 raise KeyboardInterrupt
-            m = self.update(self.demo_samples(demos, ws.batch_size, rng), [0.0] * ws.batch_size, algo)
+            # one step per batch: rollout.minibatches (PPO-style) must not change the warm start
+            m = self.update(self.demo_samples(demos, ws.batch_size, rng), [0.0] * ws.batch_size, algo,
+                            minibatches=1)
             if step % ws.eval_every and step != ws.max_steps:
                 continue
             self.version += 1
