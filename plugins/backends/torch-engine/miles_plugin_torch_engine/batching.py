@@ -155,10 +155,9 @@ class FastGenerator:
         if not picked:
             return live
         dev, r = self.fwd.device, self.rows
-        ids = torch.zeros((len(picked), width), dtype=torch.long)
-        for j, (i, _, _) in enumerate(picked):
-            ids[j, :len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
         plens = [len(prompts[i]) for i, _, _ in picked]
+        ids = torch.tensor([[*prompts[i], *[0] * (width - n)] for (i, _, _), n in zip(picked, plens)],
+                           dtype=torch.long)  # right-padded; one call (a tensor per prompt costs ~10 us)
         reps = torch.tensor([c for _, _, c in picked], device=dev)
         new = torch.arange(live, rows, device=dev)
         logits = self.prefill(ids.to(dev), torch.tensor(plens, device=dev), new, reps)

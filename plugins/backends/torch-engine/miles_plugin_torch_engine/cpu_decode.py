@@ -227,12 +227,28 @@ class CpuFastGenerator(FastGenerator):
         self.cpu = CpuForward(self.fwd)
         self.prefill = self.cpu.prefill
         self.sync_every = 1 << 62  # the done flags are read when ``_hit`` says a stop was sampled
-        self._hit = False
+        self._hit, self._layout = False, None
 
-    def _refresh(self) -> None:  # the CPU steps read their own weight copies, not fast.py's
+    def _refresh(self) -> None:
+        """The CPU steps' own weight copies (not fast.py's), and the runner's row buffers (no
+        graphs here, so no weight signature to check)."""
         self.cpu.prepare()
-        self.runner.prepare()
-        self._hit = False
+        f, run = self.fwd, self.runner
+        if run.tok is None or run.tok.shape[0] != f.slots or run.logits.shape[1] != f.model.lm_head.out_features:
+            run.tok = torch.zeros(f.slots, dtype=torch.long)
+            run.pos = torch.zeros(f.slots, dtype=torch.long)
+            run.logits = torch.empty((f.slots, f.model.lm_head.out_features), dtype=f.dtype)
+        self._hit, self._layout = False, None
+
+    def _admit(self, queue, prompts, live: int, t: int) -> int:
+        joined = super()._admit(queue, prompts, live, t)
+        if joined != live:
+            self._layout = None
+        return joined
+
+    def _retire(self, rows: list[int], live: int, t: int) -> int:
+        self._layout = None
+        return super()._retire(rows, live, t)
 
     def _retire_finished(self, live: int, t: int, check_done: bool) -> int:
         check, self._hit = check_done or self._hit, False
@@ -244,16 +260,24 @@ class CpuFastGenerator(FastGenerator):
         length = (t + 1 - r.start[rows]).tolist()  # sampled so far: one at prefill, one per step since
         return r.tokens[idx].tolist(), r.logps[idx].tolist(), length, r.done[idx].tolist()
 
+    def _rows_layout(self, live: int) -> tuple:
+        """(positions at step 0, their min and max, joining steps, whether all rows joined at
+        once) of the live rows: host arrays, recomputed only when rows join or leave."""
+        if self._layout is None:
+            r = self.rows
+            offset = r.plen[:live] - r.start[:live]  # a row's position at step t is offset + t
+            start = r.start[:live].copy()
+            self._layout = (offset, int(offset.min()), int(offset.max()), start, start.min() == start.max())
+        return self._layout
+
     def _decode(self, live: int, t: int) -> None:
         r = self.rows
-        offset = r.plen[:live] - r.start[:live]  # a row's position at step t is offset + t
-        lo, hi = int(offset.min()), int(offset.max())
+        offset, lo, hi, start, one_start = self._rows_layout(live)
         same = lo + t if lo == hi else None
         pos = None if lo == hi else torch.from_numpy(offset + t)
         logits = self.cpu.decode(self.runner.tok[:live], pos, hi + t + 1, same, self.runner.logits[:live])
         tok, lp = sample(logits, self.params, self.gen)
-        start = r.start[:live]
-        if start.min() == start.max():  # one column for all rows: plain slice writes
+        if one_start:  # one column for all rows: plain slice writes
             col = t + 1 - int(start[0])
             r.tokens[:live, col], r.logps[:live, col] = tok, lp
         else:
