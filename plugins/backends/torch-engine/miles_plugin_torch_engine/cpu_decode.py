@@ -54,7 +54,7 @@ def _residual(h: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, bias: torch.Te
 
 def _complex(x: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` (interleaved halves) as ``[..., D / 2]`` complex, no copy."""
-    return torch.view_as_complex(x.unflatten(-1, (x.shape[-1] // 2, 2)))
+    return torch.view_as_complex(x.view(*x.shape[:-1], x.shape[-1] // 2, 2))
 
 
 class _Scale:
@@ -79,6 +79,9 @@ class _Layer:
         w = torch.cat([p.weight for p in projs])[rows] * layer.input_layernorm.weight
         self.wqkv = w.t()
         self.bqkv = torch.cat([p.bias for p in projs])[rows] if attn.q_proj.bias is not None else None
+        q_cols = attn.q_proj.out_features  # the q and k|v parts, for the last prefill layer
+        self.wq, self.wkv = self.wqkv[:, :q_cols], self.wqkv[:, q_cols:]
+        self.bq, self.bkv = (None, None) if self.bqkv is None else (self.bqkv[:q_cols], self.bqkv[q_cols:])
         self.wo, self.bo = attn.o_proj.weight.t(), attn.o_proj.bias
         gate, up = mlp.gate_proj, mlp.up_proj
         self.wgu = (torch.cat([gate.weight, up.weight]) * layer.post_attention_layernorm.weight).t()
@@ -92,12 +95,13 @@ class _Layer:
 
     def qkv(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
-            return F.embedding(ids, self.table)
+            return torch.embedding(self.table, ids)
         return _linear(self.scale1(h), self.wqkv, self.bqkv)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         gu = _linear(self.scale2(h), self.wgu, self.bgu)
-        return _residual(h, F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:]), self.wd, self.bd)
+        act = F.silu(gu.narrow(-1, 0, self.inter)).mul_(gu.narrow(-1, self.inter, self.inter))
+        return _residual(h, act, self.wd, self.bd)
 
 
 class CpuForward:
@@ -115,7 +119,8 @@ class CpuForward:
         H, KV, D = f.heads, f.kv_heads, f.head_dim
         half = D // 2
         perm = torch.arange(D).view(2, half).t().flatten()  # 0, D/2, 1, D/2 + 1, ...
-        rows = torch.cat([perm + i * D for i in range(H + KV)] + [torch.arange((H + KV) * D, (H + 2 * KV) * D)])
+        rows = torch.cat([perm + i * D for i in range(H + KV)]
+                         + [torch.arange((H + KV) * D, (H + 2 * KV) * D)])  # v rows as they are
         self.layers = [_Layer(layer, rows, perm, f.qk_norm) for layer in f.inner.layers]
         self.scale = _Scale(f.inner.norm)
         self.lm_head = (f.model.lm_head.weight * f.inner.norm.weight).t()
@@ -133,20 +138,19 @@ class CpuForward:
         self.block = torch.zeros(H, f.max_len, KV).masked_fill_(~own, float("-inf")).view(H, -1)
         self.layer_kv = (f.k_cache.transpose(2, 3), f.v_cache.transpose(2, 3))  # storage order
 
-    def _heads(self, lw: _Layer, qkv: torch.Tensor, rot: torch.Tensor):
-        """Complex q (rotated) and k (not yet) of ``qkv [..., (H + 2 KV) * D]``, and v."""
-        f = self.fwd
-        H, KV, D = f.heads, f.kv_heads, f.head_dim
-        heads = qkv.unflatten(-1, (H + 2 * KV, D))
-        v = heads.narrow(-2, H + KV, KV)
-        if lw.qk_norms is None:
-            c = _complex(heads)
-            q, k = c.narrow(-2, 0, H), c.narrow(-2, H, KV)
-        else:
-            (wq, eq), (wk, ek) = lw.qk_norms
-            q = _complex(torch.rms_norm(heads.narrow(-2, 0, H), (D,), wq, eq))
-            k = _complex(torch.rms_norm(heads.narrow(-2, H, KV), (D,), wk, ek))
-        return q * rot, k, v
+    @staticmethod
+    def _q(lw: _Layer, q: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Rotated complex q of real heads ``[..., H, D]`` (after Qwen3's q norm)."""
+        if lw.qk_norms is not None:
+            q = torch.rms_norm(q, (q.shape[-1],), *lw.qk_norms[0])
+        return _complex(q) * rot
+
+    @staticmethod
+    def _k(lw: _Layer, k: torch.Tensor) -> torch.Tensor:
+        """Complex k of real heads ``[..., KV, D]`` (after Qwen3's k norm), not yet rotated."""
+        if lw.qk_norms is not None:
+            k = torch.rms_norm(k, (k.shape[-1],), *lw.qk_norms[1])
+        return _complex(k)
 
     def _mask(self, pos: torch.Tensor, length: int) -> torch.Tensor:
         """``block`` plus, per row, -inf past its position: ``[B, H, length * KV]``."""
@@ -162,7 +166,8 @@ class CpuForward:
         positions ``< length`` (and, with ``pos``, ``<= pos``)."""
         f = self.fwd
         B, H, KV, D = tok.shape[0], f.heads, f.kv_heads, f.head_dim
-        ks, vs = (c.narrow(1, 0, B) for c in self.layer_kv)  # [layers, B, positions, KV, D]
+        # [layers, B, positions, KV, D]
+        ks, vs = self.layer_kv[0].narrow(1, 0, B), self.layer_kv[1].narrow(1, 0, B)
         keys = ks.narrow(2, 0, length).flatten(2, 3).transpose(2, 3).unbind(0)  # [B, D, length * KV]
         values = vs.narrow(2, 0, length).flatten(2, 3).unbind(0)
         if same_pos is not None:
@@ -170,9 +175,11 @@ class CpuForward:
             k_new, v_new = _complex(ks.select(2, same_pos)).unbind(0), vs.select(2, same_pos).unbind(0)
         else:
             rot, mask, at = self.rot[pos].unsqueeze(1), self._mask(pos, length), (torch.arange(B), pos)
-        h = F.embedding(tok, self.embed)
+        h = torch.embedding(self.embed, tok)
         for li, lw in enumerate(self.layers):
-            q, k, v = self._heads(lw, lw.qkv(h, tok), rot)
+            heads = lw.qkv(h, tok).view(B, H + 2 * KV, D)
+            q, k = self._q(lw, heads.narrow(1, 0, H), rot), self._k(lw, heads.narrow(1, H, KV))
+            v = heads.narrow(1, H + KV, KV)
             if same_pos is not None:
                 torch.mul(k, rot, out=k_new[li])
                 v_new[li].copy_(v)
@@ -193,23 +200,36 @@ class CpuForward:
         (P, T), H, KV, D = ids.shape, f.heads, f.kv_heads, f.head_dim
         first, count = int(rows[0]), rows.shape[0]
         flat = ids.flatten()
-        h = F.embedding(flat, self.embed)  # [P * T, hidden]
-        at, last = torch.arange(P), lengths - 1
+        h = torch.embedding(self.embed, flat)  # [P * T, hidden]
+        at, last, rot = torch.arange(P), lengths - 1, self.rot[:T, None]
         for li, lw in enumerate(self.layers):
-            q, k, v = self._heads(lw, lw.qkv(h, flat).view(P, T, -1), self.rot[:T, None])
-            q, k = torch.view_as_real(q).flatten(-2), torch.view_as_real(k * self.rot[:T, None]).flatten(-2)
-            store = (k, v) if count == P else (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0))
-            for cache, new in zip(self.layer_kv, store):  # [P, T, KV, D] into [rows, positions, KV, D]
+            final = li + 1 == len(self.layers)
+            if final and lw.table is None:  # q only at each prompt's last token
+                x = lw.scale1(h)
+                kv = _linear(x, lw.wkv, lw.bkv).view(P, T, 2 * KV, D)
+                k, v = kv.narrow(2, 0, KV), kv.narrow(2, KV, KV)
+                q_last = _linear(x.view(P, T, -1)[at, last], lw.wq, lw.bq).view(P, H, D)
+                q_last = self._q(lw, q_last, self.rot[last].unsqueeze(1))
+            else:
+                heads = lw.qkv(h, flat).view(P, T, H + 2 * KV, D)
+                q = self._q(lw, heads.narrow(2, 0, H), rot)
+                k, v = heads.narrow(2, H, KV), heads.narrow(2, H + KV, KV)
+                q_last = q[at, last] if final else None
+            k = torch.view_as_real(self._k(lw, k) * rot).flatten(-2)  # [P, T, KV, D]
+            store = (k, v) if count == P else (k.repeat_interleave(repeats, 0),
+                                               v.repeat_interleave(repeats, 0))
+            for cache, new in zip(self.layer_kv, store):  # into [rows, positions, KV, D]
                 cache[li, first:first + count, :T] = new
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if li + 1 < len(self.layers):  # right padding: causal attention keeps real tokens off pads
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if not final:  # right padding: causal attention keeps real tokens off pads
+                q = torch.view_as_real(q).flatten(-2).transpose(1, 2)
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=f.scale,
                                                    enable_gqa=KV != H)
                 h = lw.mlp(_residual(h, o.transpose(1, 2).reshape(P * T, H * D), lw.wo, lw.bo))
                 continue
             # last layer: only each prompt's last token goes on (to the logits)
             mask = None if int(lengths.min()) == T else (torch.arange(T) < lengths[:, None])[:, None, None]
-            o = F.scaled_dot_product_attention(q[at, :, last].reshape(P, KV, H // KV, D), k, v,
+            o = F.scaled_dot_product_attention(torch.view_as_real(q_last).reshape(P, KV, H // KV, D), k, v,
                                                attn_mask=mask, scale=f.scale)
             h = lw.mlp(_residual(h.view(P, T, -1)[at, last], o.reshape(P, H * D), lw.wo, lw.bo))
         return torch.mm(self.scale(h), self.lm_head)
@@ -234,10 +254,11 @@ class CpuFastGenerator(FastGenerator):
         graphs here, so no weight signature to check)."""
         self.cpu.prepare()
         f, run = self.fwd, self.runner
-        if run.tok is None or run.tok.shape[0] != f.slots or run.logits.shape[1] != f.model.lm_head.out_features:
+        vocab = f.model.lm_head.out_features
+        if run.tok is None or run.tok.shape[0] != f.slots or run.logits.shape[1] != vocab:
             run.tok = torch.zeros(f.slots, dtype=torch.long)
             run.pos = torch.zeros(f.slots, dtype=torch.long)
-            run.logits = torch.empty((f.slots, f.model.lm_head.out_features), dtype=f.dtype)
+            run.logits = torch.empty((f.slots, vocab), dtype=f.dtype)
         self._hit, self._layout = False, None
 
     def _admit(self, queue, prompts, live: int, t: int) -> int:
