@@ -241,7 +241,9 @@ def test_sglang_plugin_routes_updates_weights_and_survives_kill_9(servers, model
         before = engine.server_stats()[survivor.url]["served"]
         outs = engine.generate([[2, 5 + i] for i in range(8)], params, n=2)
         assert [len(o) for o in outs] == [2] * 8
-        assert engine.server_stats()[survivor.url]["served"] - before == 8
+        # the call is split into one batched request per server the client still thinks routable
+        # (2, or 1 if a health check already saw the kill): the survivor answers all of them
+        assert engine.server_stats()[survivor.url]["served"] - before in (1, 2)
         assert engine.health() == {survivor.url: True, victim.url: False}
     finally:
         engine.close()

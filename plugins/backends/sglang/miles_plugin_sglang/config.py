@@ -20,6 +20,12 @@ class SGLangEngineConfig(pydantic.BaseModel, extra="forbid"):
     max_retries: int = Field(3, ge=0, description="times a failed request is re-sent, each time to "
                              "another healthy server")
     max_concurrency: int = Field(256, ge=1, description="HTTP requests in flight at once, all servers together")
+    requests_per_call: Optional[int] = Field(None, ge=1, description="batched /generate requests one "
+                                             "generate() call is split into (default: one per "
+                                             "routable server; a group's samples stay together)")
+    seeded_requests: bool = Field(False, description="send each prompt a sampling_seed derived from the "
+                                  "step's seed (reproducible draws; a server cannot batch seeded "
+                                  "requests together, so rollout gets much slower)")
     restart_wait_s: float = Field(120.0, ge=0, description="when no server is left, seconds to wait for "
                                   "one to come back (a launcher restarting it) before the request fails")
     health_check_interval_s: float = Field(5.0, gt=0, description="seconds between background health "

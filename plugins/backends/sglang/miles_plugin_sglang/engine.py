@@ -101,22 +101,35 @@ class SGLangEngine:
         return self._run(self._generate(prompts, params, n))
 
     async def _generate(self, prompts, params: SamplingParams, n: int) -> list[list[Completion]]:
-        return list(await asyncio.gather(*(self._one(list(p), params, n, i) for i, p in enumerate(prompts))))
+        """One batched ``/generate`` request per routable server (a server batches what arrives
+        together, but separate requests trickle in and would run as many small batches)."""
+        prompts = [list(p) for p in prompts]
+        servers = sum(s.healthy and not s.stale for s in self.router.servers) or 1
+        k = min(len(prompts), self.cfg.requests_per_call or servers)
+        size = -(-len(prompts) // k)
+        parts = await asyncio.gather(*(self._batch(prompts[i:i + size], params, n, i)
+                                       for i in range(0, len(prompts), size)))
+        return [group for part in parts for group in part]
 
-    async def _one(self, prompt: list[int], params: SamplingParams, n: int, index: int) -> list[Completion]:
+    async def _batch(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                     offset: int) -> list[list[Completion]]:
+        """``n`` samples of each prompt in one request. SGLang answers a batch with ``n > 1``
+        sample-major (all prompts' first samples, then the second ...; ``GenerateReqInput.
+        _expand_inputs`` in ``managers/io_struct.py``)."""
         sampling = {"temperature": params.temperature, "top_p": params.top_p,
                     "top_k": params.top_k if params.top_k > 0 else -1,
                     "max_new_tokens": params.max_new_tokens,
                     "stop_token_ids": list(params.stop_token_ids), "n": n,
                     "no_stop_trim": True, "skip_special_tokens": False}
-        if params.seed is not None:  # distinct per prompt, reproducible per call
-            sampling["sampling_seed"] = params.seed + index
-        body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+        if params.seed is not None and self.cfg.seeded_requests:  # distinct per prompt, reproducible per call
+            sampling = [{**sampling, "sampling_seed": params.seed + offset + i} for i in range(len(prompts))]
+        body = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True}
         data, _ = await self.router.post("/generate", body)
         outs = data if isinstance(data, list) else [data]
-        if len(outs) != n:
-            raise MilesError(f"/generate answered {len(outs)} outputs for n={n}")
-        return [self._completion(o) for o in outs]
+        B = len(prompts)
+        if len(outs) != B * n:
+            raise MilesError(f"/generate answered {len(outs)} outputs for {B} prompts x n={n}")
+        return [[self._completion(outs[j * B + i]) for j in range(n)] for i in range(B)]
 
     def _completion(self, out: dict) -> Completion:
         """A ``miles.Completion`` from one SGLang output: token ids and log-probs from
