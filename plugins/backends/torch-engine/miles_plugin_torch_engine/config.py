@@ -14,8 +14,8 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
     impl: Literal["auto", "fast", "hf"] = Field(
         "auto", description='"fast": the built-in Llama-family forward (Llama, Qwen2, Qwen3, Mistral '
         'without sliding window) over a KV cache allocated once, with continuous batching and CUDA '
-        'graphs; "hf": the model\'s own forward (any causal LM); "auto": fast on CUDA when the '
-        'architecture is supported, else hf')
+        'graphs; "hf": the model\'s own forward (any causal LM); "auto": fast on CUDA, and on CPU in '
+        'float32, when the architecture is supported, else hf')
     max_seq_len: Optional[int] = Field(
         None, ge=2, description="fast path: KV-cache positions per sequence (prompt + new tokens); "
         "unset: sized from the first request and grown when a longer one comes")

@@ -92,7 +92,7 @@ class TorchEngine(WeightReceiver):
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
         self._targets = dict(self.model.named_parameters(remove_duplicate=False))
         self._targets.update(self.model.named_buffers(remove_duplicate=False))
-        # Llama-family models on CUDA (or engine.impl=fast) take the fast path (batching.py)
+        # Llama-family models on CUDA or CPU float32 (or engine.impl=fast) take the fast path (batching.py)
         from .batching import select_fast_path
 
         self._fast = select_fast_path(cfg, self.model, self.device)

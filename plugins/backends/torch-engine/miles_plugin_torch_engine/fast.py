@@ -101,9 +101,6 @@ class LlamaFamilyForward:
         self.qk_norm = hasattr(attn, "q_norm")  # Qwen3
         self.k_cache = self.v_cache = self.cos = self.sin = None
         self.slots = self.max_len = 0
-        # the CPU steps store the cache position-major ([layers, slots, positions, KV, D], seen
-        # through the same [layers, slots, KV, positions, D] view), see cpu_decode
-        self.positions_major = False
         self._fused: list[dict[str, Any]] = []
         d = self.head_dim
         # fused Triton kernels for decode on CUDA (not for Qwen3's q/k norms: torch ops there)
@@ -160,12 +157,8 @@ class LlamaFamilyForward:
         slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
         self.k_cache = self.v_cache = None  # free the old cache before taking the new one
         shape = (len(self.inner.layers), slots, self.kv_heads, max_len, self.head_dim)
-        if self.positions_major:
-            shape = shape[:2] + (max_len, self.kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.positions_major:
-            self.k_cache, self.v_cache = self.k_cache.transpose(2, 3), self.v_cache.transpose(2, 3)
         # HF's own rotary module makes the table, so rope_theta / scaling types are taken as they are
         pos = torch.arange(max_len, device=self.device)[None]
         cos, sin = self.inner.rotary_emb(self.k_cache[0, 0, 0, :1], pos)
@@ -206,34 +199,17 @@ class LlamaFamilyForward:
         P, T = ids.shape
         h = self.inner.embed_tokens(ids)
         cos, sin = self.cos[:T], self.sin[:T]
-        at, last = torch.arange(P, device=h.device), lengths - 1
-        layers = self.inner.layers
-        for li, layer in enumerate(layers):
+        for li, layer in enumerate(self.inner.layers):
             q, k, v = self._qkv(li, _rms(h, layer.input_layernorm), cos, sin, heads_dim=1)
-            self._store_prompt(li, rows, T, k, v, repeats)
-            gqa = self.kv_heads != self.heads
-            if li + 1 < len(layers):
-                # right padding: causal attention alone keeps real tokens off the pads (no mask needed)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
-                h = h + _lin(o.transpose(1, 2).reshape(P, T, -1), layer.self_attn.o_proj)
-                h = self._mlp(li, h)
-                continue
-            # last layer: past its keys/values only each prompt's last token matters (the logits),
-            # so attention, o_proj and the MLP run on P rows instead of P x T
-            mask = (torch.arange(T, device=h.device) < lengths[:, None])[:, None, None]
-            o = F.scaled_dot_product_attention(q[at, :, last].unsqueeze(2), k, v, attn_mask=mask,
-                                               scale=self.scale, enable_gqa=gqa)
-            h = h[at, last] + _lin(o.reshape(P, -1), layer.self_attn.o_proj)
+            # right padding: causal attention alone keeps real tokens off the pads (no mask needed)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.kv_heads != self.heads)
+            self.k_cache[li, rows, :, :T] = k.repeat_interleave(repeats, dim=0)
+            self.v_cache[li, rows, :, :T] = v.repeat_interleave(repeats, dim=0)
+            h = h + _lin(o.transpose(1, 2).reshape(P, T, -1), layer.self_attn.o_proj)
             h = self._mlp(li, h)
-        return self.logits(h)
-
-    def _store_prompt(self, li: int, rows: torch.Tensor, T: int, k: torch.Tensor, v: torch.Tensor,
-                      repeats: torch.Tensor) -> None:
-        """Prompt keys/values ``[P, KV, T, D]`` into cache rows ``rows`` (``repeats[i]`` rows each)."""
-        if k.shape[0] != rows.shape[0]:
-            k, v = k.repeat_interleave(repeats, dim=0), v.repeat_interleave(repeats, dim=0)
-        self.k_cache[li, rows, :, :T] = k
-        self.v_cache[li, rows, :, :T] = v
+        last = h[torch.arange(P, device=h.device), lengths - 1]
+        return self.logits(last)
 
     def decode(self, tok: torch.Tensor, pos: torch.Tensor, length: int,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -161,7 +161,7 @@ def test_load_weights(tok):
 
 
 def test_decode_is_kv_cached(tok):
-    eng = make_engine(tok)
+    eng = make_engine(tok, impl="hf")  # the generic path (the CPU default is the fast path)
     shapes = []
     forward = eng.model.forward
 

@@ -94,7 +94,8 @@ def assert_logprobs_exact(model, prompts, groups, temperature=1.0, atol=1e-5):
 
 
 def test_selection_and_fallback(tok):
-    assert make_engine(tok, impl="auto")._fast is None  # CPU: the generic path stays the default
+    assert make_engine(tok, impl="auto")._fast is not None  # CPU float32: the fast path is the default
+    assert make_engine(tok, impl="auto", dtype="bfloat16")._fast is None  # CPU half precision: HF's
     assert make_engine(tok, impl="hf")._fast is None
     assert make_engine(tok)._fast is not None
     gpt2 = ArchSpec("GPT2", head="LMHeadModel")
