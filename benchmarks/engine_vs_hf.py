@@ -9,7 +9,10 @@ once, continuous batching, CUDA graphs) with ``max_batch_size`` 256; the same en
 off is measured too.
 ``--device cpu``: the quickstart model (recipes/quickstart.yaml's ``model.config`` over the arith
 char vocabulary) in float32 on one thread, 64 prompts of 32 tokens, 64 new tokens each, with both
-the fast path and the generic (``impl: hf``) engine path measured.
+the fast path (on CPU its own prefill/decode steps, ``cpu_decode.py``; the CPU float32 default)
+and the generic (``impl: hf``) engine path measured. On a shared machine other processes slow
+some runs down (and cost more to the side whose step is more cache-bound), so the CPU default is
+7 alternating repeats; the thread CPU time of each side's best run is printed too.
 
 Neither side stops early: ``generate`` gets no EOS id, the engine no stop ids, so both produce
 exactly prompts x new-tokens tokens (checked). The engine also returns every token's log-prob;
@@ -87,22 +90,23 @@ def make_engine(model, device: str, impl: str, rows: int, graphs: bool = True):
     return TorchEngine(cfg, spec=_Prebuilt(model), tokenizer=_Tok(), seed=0)
 
 
-def timed(fn, device: str) -> tuple[float, int]:
+def timed(fn, device: str) -> tuple[float, float]:
+    """Wall seconds of ``fn()`` and the calling thread's CPU seconds (meaningful on CPU only)."""
     import torch
 
     if device != "cpu":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    produced = fn()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    fn()
     if device != "cpu":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, produced
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cuda 1, cpu 5)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cuda 1, cpu 7)")
     for key in ("prompts", "prompt_len", "new_tokens"):
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="override the shape")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (generate: num_return_sequences)")
@@ -114,7 +118,7 @@ def main() -> None:
     shape = SHAPES["cpu" if device == "cpu" else "cuda"]
     for key in ("prompts", "prompt_len", "new_tokens"):
         shape[key] = getattr(args, key) or shape[key]
-    repeats = args.repeats or (5 if device == "cpu" else 1)
+    repeats = args.repeats or (7 if device == "cpu" else 1)
     if device == "cpu":
         torch.set_num_threads(1)  # a tiny model gains nothing from threads on a shared machine
     model = build(device)
@@ -144,20 +148,25 @@ def main() -> None:
         sides["miles (impl hf)"] = make_engine(model, device, "hf", P * S)
     else:  # what the CUDA graphs buy
         sides["miles (no graphs)"] = make_engine(model, device, "fast", P * S, graphs=False)
-    times: dict[str, list[float]] = {name: [] for name in [*sides, "generate"]}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*sides, "generate"]}
     for eng in sides.values():
         engine_run(eng)  # warm-up: allocates the KV cache, captures the CUDA graphs
     hf_run(8)
     for _ in range(repeats):
         for name, eng in sides.items():
-            times[name].append(timed(lambda e=eng: engine_run(e), device)[0])
-        times["generate"].append(timed(hf_run, device)[0])
-    rate = {name: P * S * N / min(ts) for name, ts in times.items()}
+            times[name].append(timed(lambda e=eng: engine_run(e), device))
+        times["generate"].append(timed(hf_run, device))
+    rate = {name: P * S * N / min(t for t, _ in ts) for name, ts in times.items()}
+    cpu = {name: min(c for _, c in ts) for name, ts in times.items()}
     where = torch.cuda.get_device_name(device) if device != "cpu" else "CPU, 1 thread"
     print(f"{where}: {P} prompts x {T} tokens, {S} sample(s) of {N} new tokens each, {shape['dtype']}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     for name, ts in times.items():
-        print(f"  {name:16s} {rate[name]:>12,.0f} tokens/s  (runs: {', '.join(f'{t:.2f}s' for t in ts)})")
+        extra = f", best thread CPU time {cpu[name]:.3f}s" if device == "cpu" else ""
+        runs = ", ".join(f"{t:.2f}s" for t, _ in ts)
+        print(f"  {name:16s} {rate[name]:>12,.0f} tokens/s  (runs: {runs}{extra})")
+    if device == "cpu":
+        print(f"thread CPU time ratio: {cpu['generate'] / cpu['miles']:.2f}x (generate / miles)")
     print(f"engine_vs_hf tokens/s ratio: {rate['miles'] / rate['generate']:.1f}x "
           f"(miles {rate['miles']:,.0f} vs generate {rate['generate']:,.0f})")
 

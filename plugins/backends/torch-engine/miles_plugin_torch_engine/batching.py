@@ -77,7 +77,7 @@ class FastGenerator:
         self.cfg = cfg
         self.fwd = LlamaFamilyForward(model)
         self.runner = DecodeRunner(self.fwd, cfg.cuda_graphs)
-        self.prefill = self.fwd.prefill  # rows ``new`` of ``_admit`` are always one contiguous range
+        self.prefill = self.fwd.prefill  # the CPU generator swaps in its own prefill step
         self.cuda = self.fwd.device.type == "cuda"
         self.sync_every = 16 if self.cuda else 1
         self.stats: dict[str, int] = {}

@@ -9,7 +9,7 @@ bf16 logits go straight into a float32 ``log_softmax`` (one pass, no float copy)
 
 On CPU without top-k/top-p the draw is an inverse CDF instead: one uniform per row against the
 cumulative probabilities. The race needs a uniform and two logarithms per vocabulary entry, and
-CPU ``log`` is slow (~8 ns an element here): this is about 2.5x cheaper per decode step.
+CPU ``log`` is slow (~8 ns an element here): 60 -> 40 us for 64 rows of 46 tokens.
 """
 from __future__ import annotations
 
