@@ -82,15 +82,17 @@ def test_lora_recipe_learns_and_syncs_only_adapters(warm_base, tmp_path):
 
 def test_distill_recipe_beats_the_students_start(warm_base, sft_run):
     start, student = warm_base
-    teacher = sft_run[2]
-    rows = train("distill.yaml", Path(sft_run[1]) / "distill", "model.config=null", f"model.path={student}",
-                 "run.warm_start=null", f"algorithm.teacher={teacher}", "run.steps=50", "run.eval_every=50")
+    rows_teacher, out, teacher = sft_run
+    rows = train("distill.yaml", out / "distill", "model.config=null", f"model.path={student}",
+                 "run.warm_start=null", f"algorithm.teacher={teacher}", "run.steps=100", "run.eval_every=100")
     acc = accuracy(rows)
-    # measured from a 0.61 student with a 0.90 teacher: +0.16 to +0.21 after 50 steps over four
-    # variants (64x4 or 256x1 samples, lr 2e-4 or 5e-4, with or without the reward term)
-    assert acc[-1] - acc[0] >= 0.08, acc
+    assert accuracy(rows_teacher)[-1] > acc[0] + 0.05  # the teacher is the stronger model
+    # measured with this fixture's teacher (0.76) from a 0.57 student: +0.138 and +0.126 after
+    # 100 steps (seeds 0, 1); with a 0.90 teacher: +0.25 after 100, +0.27 after 200
+    assert acc[-1] - acc[0] >= 0.06, acc
     kl = [r["distill_reverse_kl"] for r in rows if "distill_reverse_kl" in r]
-    assert sum(kl[-10:]) < sum(kl[:10])  # the student moves towards the teacher
+    # the student moves towards the teacher: the reverse KL estimate fell to 0.36-0.42 of its start
+    assert sum(kl[-10:]) < 0.6 * sum(kl[:10]), kl
 
 
 def test_true_on_policy_recipe_is_bitwise_and_learns(warm_base, tmp_path):
