@@ -206,6 +206,24 @@ def test_new_weights_and_cache_growth(tok):
         make_engine(tok, max_seq_len=12).generate(PROMPTS, SamplingParams(max_new_tokens=4))
 
 
+@pytest.mark.parametrize("layers,table", [(2, True), (2, False), (1, True)])
+def test_cpu_steps_one_position_and_no_token_table(tok, monkeypatch, layers, table):
+    """Prompts of one length keep every row at one position (slice cache writes, no mask); layer
+    0's per-token q|k|v table is skipped for large vocabularies; a 1-layer model's last prefill
+    layer is also its tabled first one."""
+    from miles_plugin_torch_engine import cpu_decode
+
+    if not table:
+        monkeypatch.setattr(cpu_decode, "TABLE_ELEMENTS", 0)
+    eng = make_engine(tok, spec=TinySpec(hidden=64, layers=layers))
+    prompts = [p[:2] for p in PROMPTS]
+    groups = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6), n=2)
+    assert (eng._fast.cpu.layers[0].table is not None) == table
+    for prompt, g in zip(prompts, groups):
+        assert g[0].token_ids == g[1].token_ids == greedy_reference(eng.model, prompt, 6, {tok.eos_token_id})
+    assert_logprobs_exact(eng.model, prompts, groups)
+
+
 @pytest.mark.parametrize("arch,extra", [("Llama", dict(rope_theta=500000.0)),
                                         ("Qwen3", dict(head_dim=16)),  # q/k norms, wide heads
                                         ("Mistral", dict(sliding_window=None))])
