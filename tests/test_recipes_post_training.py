@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from miles.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +80,7 @@ def test_lora_recipe_learns_and_syncs_only_adapters(warm_base, tmp_path):
 
 
 def test_distill_recipe_beats_the_students_start(warm_base, sft_run):
-    start, student = warm_base
+    _, student = warm_base
     rows_teacher, out, teacher = sft_run
     rows = train("distill.yaml", out / "distill", "model.config=null", f"model.path={student}",
                  "run.warm_start=null", f"algorithm.teacher={teacher}", "run.steps=100", "run.eval_every=100")

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from miles.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,10 +12,9 @@ advantage (RL plus a distillation term). ``logp_student`` is the rollout engine'
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 from miles import Batch, Group, Sample
 
 from .config import DistillConfig

@@ -1,10 +1,9 @@
 """The teacher: a Hugging Face causal LM that scores the student's samples token by token."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 from miles import Batch, MilesError, Sample
 
 

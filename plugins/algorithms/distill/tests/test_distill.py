@@ -1,8 +1,7 @@
 """On-policy distillation: reverse-KL advantages from a teacher folder, loss, errors."""
+import miles
 import pytest
 import torch
-
-import miles
 from miles import ConfigError, MilesError
 from miles.config import resolve
 from miles.testing import TinySpec, assert_lazy_registration, char_tokenizer, make_group

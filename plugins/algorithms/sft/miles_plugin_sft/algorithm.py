@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-
 from miles import Batch, Group, Sample
 
 from .config import SFTConfig

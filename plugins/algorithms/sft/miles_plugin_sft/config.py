@@ -33,7 +33,7 @@ class SFTConfig(BaseModel):
                              "this gets a row of its own)")
 
     @model_validator(mode="after")
-    def _packing_needs_token_mean(self) -> "SFTConfig":
+    def _packing_needs_token_mean(self) -> SFTConfig:
         if self.pack and self.loss_agg != "token-mean":
             raise ValueError("pack=true needs loss_agg='token-mean': a packed row holds several "
                              "examples, so a per-row mean is not a per-example mean")

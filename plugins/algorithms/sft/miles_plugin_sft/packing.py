@@ -13,10 +13,9 @@ first token of every example is a prompt token, so no loss ever spans two exampl
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 from miles import Batch, Sample
 
 

@@ -1,15 +1,13 @@
 """SFT plugin tests. Every expected number is worked out by hand in the comments."""
 
+import miles
 import pytest
 import torch
-from pydantic import ValidationError
-
-import miles
 from miles.protocols import Algorithm
-from miles.testing import make_group
+from miles.testing import assert_lazy_registration, make_group
 from miles_plugin_sft.algorithm import SFT
 from miles_plugin_sft.config import SFTConfig
-from miles.testing import assert_lazy_registration
+from pydantic import ValidationError
 
 
 def demo_batch():

@@ -3,10 +3,9 @@ import dataclasses
 import json
 import random
 
+import miles
 import pytest
 import torch
-
-import miles
 from miles import MilesError, Sample, Task
 from miles.testing import TinySpec, char_tokenizer
 from miles_plugin_sft.algorithm import SFT

@@ -6,7 +6,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
 # how recipes/lora.yaml's base is made; named in the error for a missing folder
 MAKE_BASE = ("miles train recipes/quickstart.yaml run.steps=0 run.out_dir=runs/warm-start && "
              "miles export runs/warm-start --to runs/warm-start/export")

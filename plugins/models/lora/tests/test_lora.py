@@ -1,8 +1,7 @@
 """LoRA model spec: only adapters train, only adapters sync after the first sync, merged export."""
+import miles
 import pytest
 import torch
-
-import miles
 from miles import ConfigError
 from miles.config import resolve
 from miles.testing import assert_lazy_registration
