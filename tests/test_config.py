@@ -33,7 +33,7 @@ def test_all_problems_reported_at_once(pm):
     assert "run.stepz: unknown key; allowed keys:" in problems and "steps" in problems
     assert "rollout.n:" in problems and "'zero'" in problems
     assert "algorithm.clip_lo: unknown key" in problems and "clip_low" in problems
-    assert "engine.name: unknown engine 'warp'; registered: torch" in problems
+    assert "engine.name: unknown engine 'warp'; registered: sglang, torch" in problems
     assert "bogus: unknown section" in problems
 
 
