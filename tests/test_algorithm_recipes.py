@@ -36,7 +36,7 @@ STEPS = 40
 MARGIN = 0.10
 
 
-def _train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _train(*args: str, timeout: int = 2400) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "miles.cli", "train", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
