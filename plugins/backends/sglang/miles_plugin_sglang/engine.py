@@ -148,6 +148,11 @@ class SGLangEngine:
         """Ranks this engine takes in a weight-update process group (all its servers')."""
         return sum(self._ranks_per_server())
 
+    @property
+    def restarts(self) -> int:
+        """Server restarts seen so far: a change means groups they were in are gone."""
+        return sum(s.restarts for s in self.router.servers)
+
     def _ranks_per_server(self) -> list[int]:
         return list(self.cfg.ranks_per_server or [1] * len(self.router.servers))
 

@@ -27,6 +27,7 @@ class Server:
     last_error: str = ""
     stale: bool = field(default=False)  # missed a weight update: kept out until the next one
     restarted: bool = False  # came back after being unreachable: its weights are not ours
+    restarts: int = 0  # times that happened (a transport's process group must then be rebuilt)
 
 
 class RetryableError(Exception):
@@ -138,6 +139,7 @@ class Router:
             print(f"miles sglang: {server.url} is back", file=sys.stderr)
             if self.weights_pushed:  # a restarted process booted from its model folder
                 server.stale = server.restarted = True
+                server.restarts += 1
         server.healthy = ok
         return ok
 

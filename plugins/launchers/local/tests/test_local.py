@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[4]
 TINY = str(ROOT / "tests" / "tiny.yaml")
 
@@ -72,16 +74,19 @@ def test_disaggregated_engine_process_then_clean_exit(tmp_path):
     assert run_processes(out) == []
 
 
-def test_killed_engine_is_restarted_resynced_and_no_group_is_lost(tmp_path):
+@pytest.mark.parametrize("transport", ["disk", "broadcast"])
+def test_killed_engine_is_restarted_resynced_and_no_group_is_lost(tmp_path, transport):
     out = tmp_path / "run"
-    proc = launch(out, "launcher.engines=1", "run.steps=12", "sync.name=disk")
+    proc = launch(out, "launcher.engines=1", "run.steps=12", f"sync.name={transport}", "sync.verify=true")
     wait_for(lambda: len(rows(out)) >= 3, proc)
     engines = [pid for pid, cmd in run_processes(out) if " serve " in cmd]
     assert len(engines) == 1
     os.kill(engines[0], signal.SIGKILL)
-    rc, _, err = finish(proc)
+    rc, stdout, err = finish(proc)
     assert rc == 0, err[-3000:]
     assert "was killed by SIGKILL; restarting it (1/3)" in err
+    # the loop re-synced the restarted engine (the console may wrap the line)
+    assert "restarted without the current weights: pushing weight version" in " ".join(stdout.split())
     got = rows(out)
     assert [r["step"] for r in got] == list(range(13))  # every step once
     for r in got[1:]:  # every step trained on exactly the groups it asked for, none twice

@@ -28,6 +28,7 @@ class BroadcastTransport:
         self.cfg = cfg
         self._group = self._store = self._name = self._backend = None
         self._engines: list[Any] = []
+        self._members: list[tuple[int, int]] = []
         self._send_buf = None
         self._broken = False
 
@@ -42,8 +43,7 @@ class BroadcastTransport:
         nbytes, connect = 0, 0.0
         try:
             for bucket in W.buckets(named, self.cfg.bucket_mb << 20):
-                if (self._group is None or self._broken
-                        or [id(e) for e in engines] != [id(e) for e in self._engines]):
+                if (self._group is None or self._broken or self._members != _members(engines)):
                     c0 = time.perf_counter()
                     self._connect(engines, bucket[0][1])
                     connect += time.perf_counter() - c0
@@ -80,6 +80,7 @@ class BroadcastTransport:
         group = W.Calls([lambda: W.new_group(store, 0, world, name, backend, cfg.timeout_s), *joins])
         self._group = group.join(cfg.timeout_s)[0]
         self._store, self._name, self._backend, self._engines = store, name, backend, list(engines)
+        self._members = _members(engines)
         self._broken = False
 
     def _send(self, bucket: list, version: int) -> None:
@@ -136,3 +137,10 @@ class BroadcastTransport:
             pass
         if hasattr(group, "shutdown"):
             group.shutdown()
+
+
+def _members(engines: Sequence[Any]) -> list[tuple[int, int]]:
+    """Who is in the group: the engines, and how often each restarted (a restarted server has
+    left every group it was in)."""
+    return [(id(e), int(getattr(e, "restarts", 0))) for e in engines]
+
