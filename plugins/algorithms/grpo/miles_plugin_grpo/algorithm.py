@@ -78,7 +78,7 @@ class GSPO(GRPO):
         super().__init__(cfg if cfg is not None else GSPOConfig())
 
 
-class ReinforcePP:
+class ReinforcePP(GRPO):
     """REINFORCE++ and REINFORCE++-baseline, with Miles' formulas (``compute_advantages``):
 
     * plain: token rewards ``-beta * kl_t`` plus the outcome ``r`` at the last trainable token,
@@ -90,20 +90,8 @@ class ReinforcePP:
     the reference. The policy loss is the shared token-level PPO-clip.
     """
 
-    uses_rollout = True
-
     def __init__(self, cfg: ReinforcePPConfig | None = None):
-        self.cfg = cfg if cfg is not None else ReinforcePPConfig()
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.cfg.kl_coef > 0 or self.cfg.kl_reward_coef > 0
-
-    def keep(self, group: Group) -> bool:
-        rewards = group.rewards
-        if not self.cfg.filter_zero_variance or len(rewards) < 2:
-            return True
-        return not _all_equal(rewards)
+        super().__init__(cfg if cfg is not None else ReinforcePPConfig())
 
     def advantages(self, groups: Sequence[Group]) -> list[list[float]]:
         """The per-sample outcome: ``r`` (plain) or ``r - mean_group(r)`` (baseline); the token
@@ -127,6 +115,3 @@ class ReinforcePP:
             metrics["kl_reward"] = masked_mean(kl, mask)
         batch.advantages = masked_whiten(adv, mask)
         return metrics
-
-    def loss(self, batch: Batch, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        return policy_loss(batch, logprobs, self.cfg)
