@@ -202,7 +202,7 @@ class Loop:
         if k > 1:
             batch.old_logprobs = trainer.logprobs(batch, "policy")
         if self.streamer is not None and self.cfg.rollout.stale_policy == "importance":
-            self._importance(batch)
+            streaming.importance(self, batch)
         critic = getattr(algorithm, "needs_critic", False)
         if critic:  # the critic's V_t before the update (PPO's GAE)
             batch.extras["values"] = trainer.values(batch)
@@ -235,19 +235,6 @@ class Loop:
         with self.engine_lock:
             lp = self.share(self.p.engine.score(mb, fn) if self.main else None)
         return replace(mb, rollout_logprobs=lp, old_logprobs=lp)
-
-    def _importance(self, batch: Batch) -> None:
-        """Samples older than ``max_staleness``: advantages times truncated importance weights
-        against the trainer's current policy (which becomes the PPO ratio's reference)."""
-        import torch
-
-        r = self.cfg.rollout
-        stale = torch.tensor([self.version - s.weight_version > r.max_staleness for s in batch.samples])
-        if stale.any():
-            if batch.old_logprobs is None:
-                batch.old_logprobs = self.p.trainer.logprobs(batch, "policy")
-            w = streaming.importance_weights(batch, r.importance_cap)
-            batch.advantages = torch.where(stale[:, None], batch.advantages * w, batch.advantages)
 
     # -- phases ------------------------------------------------------------------------------------
     def warm_start(self) -> None:
@@ -446,14 +433,6 @@ class Loop:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, on_signal)
 
-    def _start_streaming(self) -> None:
-        if self.cfg.run.mode != "async" or not self.main or not self.p.algorithm.uses_rollout:
-            return
-        if not getattr(self.p.engine, "remote", False):  # one in-process engine: take turns
-            self.engine_lock = threading.Lock()
-        self.streamer = streaming.Streamer(self)
-        self.streamer.start()
-
     def _restore_signals(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -485,7 +464,7 @@ class Loop:
                 start = 1
             else:
                 self.console(f"resuming from step {start - 1} in {cfg.run.out_dir}")
-            self._start_streaming()
+            self.streamer = streaming.start(self)
             for step in range(start, cfg.run.steps + 1):
                 m = self.rl_step(step)
                 self._check_finite(step, m)

@@ -128,9 +128,27 @@ class Streamer:
                 continue
 
 
-def importance_weights(batch: Any, cap: float) -> Any:
-    """Per-token truncated importance weights min(pi_old / pi_rollout, cap) for stale samples:
-    ``old_logprobs`` are the trainer's current (pre-update) log-probs."""
+def start(loop: Any) -> Streamer | None:
+    """The streamer of an async run (rank 0, rollout algorithms), started; else None."""
+    if loop.cfg.run.mode != "async" or not loop.main or not loop.p.algorithm.uses_rollout:
+        return None
+    if not getattr(loop.p.engine, "remote", False):  # one in-process engine: take turns
+        loop.engine_lock = threading.Lock()
+    streamer = Streamer(loop)
+    streamer.start()
+    return streamer
+
+
+def importance(loop: Any, batch: Any) -> None:
+    """Samples older than ``max_staleness``: advantages times truncated importance weights
+    min(pi_old / pi_rollout, cap), against the trainer's current (pre-update) policy, which
+    becomes the PPO ratio's reference."""
     import torch
 
-    return torch.exp(batch.old_logprobs - batch.rollout_logprobs).clamp(max=cap) * batch.loss_mask
+    r = loop.cfg.rollout
+    stale = torch.tensor([loop.version - s.weight_version > r.max_staleness for s in batch.samples])
+    if stale.any():
+        if batch.old_logprobs is None:
+            batch.old_logprobs = loop.p.trainer.logprobs(batch, "policy")
+        w = torch.exp(batch.old_logprobs - batch.rollout_logprobs).clamp(max=r.importance_cap) * batch.loss_mask
+        batch.advantages = torch.where(stale[:, None], batch.advantages * w, batch.advantages)
