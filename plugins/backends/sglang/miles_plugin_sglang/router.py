@@ -31,7 +31,13 @@ class Server:
 
 
 class RetryableError(Exception):
-    """The server failed (connection lost, 5xx): the request may go to another server."""
+    """The request failed on this server and may go to another: the server is unreachable
+    (``down``: routed around until a probe finds it again) or answered 5xx (alive: it stays in
+    the routing, and a request that keeps failing there ends with the server's message)."""
+
+    def __init__(self, message: str, down: bool):
+        super().__init__(message)
+        self.down = down
 
 
 class Router:
@@ -71,11 +77,11 @@ class Router:
             r = await self._client.request(method, server.url + path, json=body, headers=self._headers,
                                            timeout=timeout or self.timeout_s)
         except httpx.TransportError as e:
-            raise RetryableError(f"{server.url}{path}: {type(e).__name__}: {e}") from e
+            raise RetryableError(f"{server.url}{path}: {type(e).__name__}: {e}", down=True) from e
         finally:
             server.outstanding -= 1
         if r.status_code >= 500:
-            raise RetryableError(f"{server.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+            raise RetryableError(f"{server.url}{path}: HTTP {r.status_code}: {_message(r)}", down=False)
         if r.status_code == 401:
             raise MilesError(f"{server.url} refused the API key (HTTP 401): set engine.api_key (or "
                              f"the environment variable engine.api_key_env names) to the server's --api-key")
@@ -102,7 +108,8 @@ class Router:
                 try:
                     return await self.send(server, "POST", path, body), server
                 except RetryableError as e:
-                    self._down(server, str(e))
+                    if e.down:
+                        self._down(server, str(e))
                     errors.append(str(e))
         detail = "; ".join(errors) or "no healthy server: " + self.describe()
         raise MilesError(f"{path} failed on every server tried ({len(tried)}): {detail}")
@@ -115,7 +122,7 @@ class Router:
                                          for s, b in zip(servers, bodies)), return_exceptions=True)
         failed = [(s, r) for s, r in zip(servers, results) if isinstance(r, BaseException)]
         for s, r in failed:
-            if isinstance(r, RetryableError):
+            if isinstance(r, RetryableError) and r.down:
                 self._down(s, str(r))
         if failed:
             raise MilesError(f"{path} failed on {len(failed)} of {len(servers)} server(s): "

@@ -60,6 +60,37 @@ def test_least_outstanding_then_round_robin():
     asyncio.run(main())
 
 
+def test_a_server_error_is_retried_then_ends_the_run_with_its_message():
+    """HTTP 500 from a live server: retried, never taken for a restart (which would re-push the
+    weights forever), and the run ends with the server's own message; an unreachable server is
+    routed around."""
+    import httpx
+
+    calls = []
+
+    def answer(request):
+        calls.append(request.url.path)
+        if request.url.host == "b":
+            raise httpx.ConnectError("refused")
+        if request.url.path == "/get_weight_version":
+            return httpx.Response(200, json={"weight_version": "3"})
+        return httpx.Response(500, json={"error": {"message": "generation failed: boom"}})
+
+    async def main():
+        r = Router(["http://a", "http://b"], api_key=None, timeout_s=1, max_retries=2, max_concurrency=2)
+        await r.close()
+        r._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        r.weights_pushed = True
+        with pytest.raises(MilesError, match="generation failed: boom"):
+            await r.post("/generate", {})
+        a, b = r.servers
+        assert a.healthy and not a.restarted and not b.healthy
+        assert calls.count("/generate") == 3  # max_retries + 1 attempts in all
+        await r.close()
+
+    asyncio.run(main())
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -44,7 +44,9 @@ class DecodeRunner:
         key = (f.weights_signature(), f.slots, f.max_len, f.k_cache.data_ptr())
         if key == self._key:
             return
+        # a graph's pool cannot take new captures once its graphs are gone: new pool, new graphs
         self._graphs.clear()
+        self._pool = None
         self._key = key
         vocab = f.model.lm_head.weight.shape[0]
         self.tok = torch.zeros(f.slots, dtype=torch.long, device=f.device)

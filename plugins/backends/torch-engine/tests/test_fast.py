@@ -265,6 +265,11 @@ def test_gpu_fast_path_matches_hf_forward(tok):
     assert_logprobs_exact(eng.model, PROMPTS, groups, atol=1e-4)
     assert eng._fast.runner._graphs and eng._fast.stats["joined_mid_decode"] > 0
     assert eng._fast.fwd.use_triton  # the fused kernels are what ran
+    small = eng._fast.fwd.max_len  # a longer request grows the cache (128-position steps on
+    # CUDA): the graphs are captured anew, in a new pool
+    longer = eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=130), n=2)
+    assert eng._fast.fwd.max_len > small and eng._fast.runner._graphs
+    assert_logprobs_exact(eng.model, PROMPTS, longer, atol=1e-4)
 
     bf16 = make_engine(tok, spec=spec, device="cuda", dtype="bfloat16")
     groups = bf16.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=0), n=4)
