@@ -15,6 +15,10 @@ the same bytes in the same rounds. The raw primitives:
 * disk: writing the bytes to a file (fsync, as the transport does) and reading them back.
 
     python benchmarks/weight_sync.py [--mb 256] [--repeat 5] [--device cpu|cuda]
+        [--shape qwen2-0.5b] [--dtype bfloat16]
+
+``--shape qwen2-0.5b`` replaces the ``--mb`` model with Qwen2-0.5B's shape (494M parameters,
+tied embeddings: 290 tensors); ``--dtype`` is the dtype of trainer and engine weights.
 
 The last line reads ``weight_sync ratios vs raw: tensor R broadcast R disk R`` (transport GB/s
 over raw GB/s, default settings). Rows in brackets are the other settings, for comparison.
@@ -29,9 +33,11 @@ import time
 import torch
 
 
-def _spec(mb: int):
+def _spec(mb: int, shape: str | None):
     from miles.testing import TinySpec
 
+    if shape == "qwen2-0.5b":
+        return TinySpec(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, seed=1)
     # hidden 1024 (32 heads, 8 kv heads): one layer is ~26 MiB of float32, in 9 tensors
     return TinySpec(hidden=1024, layers=max(1, round(mb / 26)), heads=32, kv_heads=8, seed=1)
 
@@ -178,14 +184,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="timed rounds (best is kept per row)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--only", default="tensor,broadcast,disk", help="comma-separated transports")
+    ap.add_argument("--shape", choices=["qwen2-0.5b"], default=None, help="a real model shape instead of --mb")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from miles.testing import EngineProcess, char_tokenizer
 
-    spec = _spec(args.mb)
+    spec = _spec(args.mb, args.shape)
     cuda = args.device == "cuda"
     dev = "cuda:0" if cuda else "cpu"
-    model = spec.build_model(char_tokenizer()).to(dev)
+    model = spec.build_model(char_tokenizer()).to(dev, getattr(torch, args.dtype))
     trainer = type("Trainer", (), {"named_weights": lambda self: iter(model.state_dict().items())})()
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     other = "cuda:1" if cuda and torch.cuda.device_count() > 1 else dev
@@ -193,14 +201,15 @@ def main() -> None:
           f"best of {args.repeat}", flush=True)
     table, ratios = [], {}
     folder = tempfile.mkdtemp(prefix="miles-bench-")
-    colocated = EngineProcess(settings={"device": dev}, spec=spec)
-    apart = EngineProcess(settings={"device": other}, spec=spec) if other != dev else colocated
+    colocated = EngineProcess(settings={"device": dev, "dtype": args.dtype}, spec=spec)
+    apart = (EngineProcess(settings={"device": other, "dtype": args.dtype}, spec=spec)
+             if other != dev else colocated)
     plans = {  # name: (raw primitive, its label, engine, [(settings, is the default)])
         "tensor": (lambda: RawMemcpy(nbytes, dev), "device copy" if cuda else "memcpy into shm",
                    colocated, [({}, True)] + ([] if cuda else [({"adopt": False}, False)])),
         "broadcast": (lambda: RawBroadcast(nbytes, dev, other), "nccl broadcast" if cuda else
                       "gloo broadcast", apart, [({}, True), ({"pack_mb": 0}, False),
-                                                ({"pack_mb": 1e6}, False)]),
+                                                ({"pack_mb": 16 if cuda else 1e6}, False)]),
         "disk": (lambda: RawDisk(nbytes, folder), "file write+fsync+read", apart,
                  [({"dir": os.path.join(folder, "w")}, True)]),
     }

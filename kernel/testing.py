@@ -49,10 +49,11 @@ def char_tokenizer(chars: str = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz") -
 class TinySpec:
     """A test-double model spec: a random tiny Qwen2 causal LM (seeded) over a given tokenizer."""
 
-    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0):
-        self.kw = dict(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv_heads)
-        self.seed = seed
+    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                 intermediate: int | None = None, vocab: int | None = None):
+        self.kw = dict(hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads)
+        self.seed, self.vocab = seed, vocab
 
     def build_tokenizer(self, default: Any = None) -> Any:
         return default or char_tokenizer()
@@ -62,7 +63,7 @@ class TinySpec:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(self.seed)
-        cfg = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=128, tie_word_embeddings=True,
+        cfg = Qwen2Config(vocab_size=self.vocab or len(tokenizer), max_position_embeddings=128, tie_word_embeddings=True,
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                           **self.kw)
         return Qwen2ForCausalLM(cfg).eval()

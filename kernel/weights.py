@@ -114,11 +114,14 @@ def views(buf: "torch.Tensor", dtypes: Sequence[Any], shapes: Sequence[Sequence[
     return out
 
 
-def pack(tensors: Sequence["torch.Tensor"], offsets: Sequence[int], buf: "torch.Tensor") -> None:
-    """Copy ``tensors`` into the uint8 ``buf`` at ``offsets`` (any device pair copy_ handles)."""
-    slots = views(buf, [t.dtype for t in tensors], [t.shape for t in tensors], offsets)
-    for slot, t in zip(slots, tensors):
-        slot.copy_(t)
+def pack(tensors: Sequence["torch.Tensor"], offsets: Sequence[int], buf: "torch.Tensor",
+         dtypes: Sequence[Any] | None = None) -> None:
+    """Copy ``tensors`` into the uint8 ``buf`` at ``offsets``, as ``dtypes`` (default: their own;
+    any device pair copy_ handles)."""
+    import torch
+
+    slots = views(buf, dtypes or [t.dtype for t in tensors], [t.shape for t in tensors], offsets)
+    torch._foreach_copy_(slots, list(tensors))  # few kernel launches for the whole bucket on CUDA
 
 
 @dataclass

@@ -11,6 +11,7 @@ waits for Python), every step on CPU.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -100,7 +101,10 @@ class FastGenerator:
         self.runner.prepare()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
-                 gen: torch.Generator, stop_ids: Sequence[int], version: int) -> list[list[Completion]]:
+                 gen: torch.Generator, stop_ids: Sequence[int], version: int,
+                 interrupt: threading.Event | None = None) -> list[list[Completion]]:
+        """``n`` completions per prompt; once ``interrupt`` is set, before the next decode step,
+        unfinished samples end with finish_reason "abort" (and what they have so far)."""
         steps = params.max_new_tokens
         if steps <= 0:
             return [[Completion([], [], "length", version) for _ in range(n)] for _ in prompts]
@@ -115,6 +119,9 @@ class FastGenerator:
         queue = deque((i, s, min(slots, n - s)) for i in range(len(prompts)) for s in range(0, n, slots))
         live, t = 0, 0
         while queue or live:
+            if interrupt is not None and interrupt.is_set():
+                self._abort(queue, live, t)
+                break
             check = t % self.sync_every == 0
             while True:  # until nothing leaves and nothing joins: a group can stop at its first token
                 live = self._retire_finished(live, t, check)
@@ -137,6 +144,22 @@ class FastGenerator:
             done = torch.nonzero(self.rows.done[:live]).flatten().tolist()
             full = sorted(set(full) | set(done))
         return self._retire(full, live, t) if full else live
+
+    def _abort(self, queue: deque, live: int, t: int) -> None:
+        """Interrupted: live rows answer with what they have (abort, unless they had finished),
+        groups still queued with nothing; the rows are left as retiring them all would."""
+        r = self.rows
+        tokens, logps, length, done = self._finished(list(range(live)), t) if live else ([],) * 4
+        for row in range(live):
+            i, j = r.owner[row]
+            k = length[row]
+            reason = "stop" if done[row] else "length" if k >= self.steps else "abort"
+            self.out[i][j] = Completion(tokens[row][:k], logps[row][:k], reason, self.version)
+        for i, first, count in queue:
+            for j in range(first, first + count):
+                self.out[i][j] = Completion([], [], "abort", self.version)
+        queue.clear()
+        self.runner.scrub(0)
 
     def _need(self, live: int, t: int) -> int:
         """One more than the largest position fed at decode step ``t``."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -85,6 +86,9 @@ class TorchEngine(WeightReceiver):
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        # set from another thread (the server's abort): generate() returns before its next decode
+        # step; unfinished samples answer with finish_reason "abort" and the tokens they have
+        self.interrupt = threading.Event()
         # transformers 5.24 renamed past_key_values -> cache (the old name warns and goes in 5.40);
         # older releases only know past_key_values. The output attribute follows the same name.
         sig = inspect.signature(self.model.forward).parameters
@@ -121,7 +125,8 @@ class TorchEngine(WeightReceiver):
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         stop = set(params.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         if self._fast is not None:
-            return self._fast.generate(prompts, params, n, gen, sorted(stop), self.weight_version)
+            return self._fast.generate(prompts, params, n, gen, sorted(stop), self.weight_version,
+                                       self.interrupt)
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         out: list[list[Completion]] = [[] for _ in prompts]
         for idx, reps in self._chunks(len(prompts), n):
@@ -150,8 +155,9 @@ class TorchEngine(WeightReceiver):
                         stop: torch.Tensor) -> list[Completion]:
         """``n`` completions per prompt (adjacent): one prefill per prompt, then 1-token decodes."""
         steps = params.max_new_tokens
-        if steps <= 0:
-            return [Completion([], [], "length", self.weight_version) for _ in range(len(prompts) * n)]
+        if steps <= 0 or self.interrupt.is_set():
+            reason = "abort" if steps > 0 else "length"
+            return [Completion([], [], reason, self.weight_version) for _ in range(len(prompts) * n)]
         ids, mask = _left_pad(prompts, self.pad_id, self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self._forward(ids, mask, pos, **self._keep_last)
@@ -166,6 +172,7 @@ class TorchEngine(WeightReceiver):
         logps = torch.empty((rows, steps), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        aborted = False
         for t in range(steps):
             tok, lp = _sample(logits, params, gen)
             tokens[:, t], logps[:, t] = tok, lp
@@ -173,16 +180,19 @@ class TorchEngine(WeightReceiver):
             done |= torch.isin(tok, stop)
             if t + 1 == steps or bool(done.all()):
                 break
+            if self.interrupt.is_set():
+                aborted = True
+                break
             pos = pos + 1
             out = self._forward(tok[:, None], full_mask[:, :width + t + 1], pos, cache)
             logits = out.logits[:, -1]
-        return self._completions(tokens[:, :t + 1], logps[:, :t + 1], lengths, done)
+        return self._completions(tokens[:, :t + 1], logps[:, :t + 1], lengths, done, aborted)
 
-    def _completions(self, tokens, logps, lengths, done) -> list[Completion]:
+    def _completions(self, tokens, logps, lengths, done, aborted: bool) -> list[Completion]:
         tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()
         lengths, done = lengths.cpu().tolist(), done.cpu().tolist()
-        v = self.weight_version
-        return [Completion(tok[:k], lp[:k], "stop" if d else "length", v)
+        v, unfinished = self.weight_version, "abort" if aborted else "length"
+        return [Completion(tok[:k], lp[:k], "stop" if d else unfinished, v)
                 for tok, lp, k, d in zip(tokens, logps, lengths, done)]
 
     # -- scoring ---------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ class Scheduler:
         self._jobs: collections.deque = collections.deque()
         self._paused = False
         self._stopped = False
+        self._interrupt = getattr(engine, "interrupt", None)  # a threading.Event generate() checks
         self.stats = {"num_requests": 0, "num_batches": 0, "num_engine_calls": 0,
                       "num_aborted": 0, "num_running": 0}
         self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
@@ -118,12 +119,16 @@ class Scheduler:
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Answer queued requests with ``rid`` (all of them for ``""`` or ``abort_all``) as
-        aborted. A batch already running on the engine finishes (the engine generates a batch in
-        one call); returns how many queued requests were aborted."""
+        aborted; returns how many. Aborting all also cuts the running batch short (through the
+        engine's ``interrupt`` event, if it has one): its unfinished samples answer with
+        finish_reason abort and what they generated so far, as SGLang's do. A running request
+        aborted by its rid finishes: it shares the engine call with the others of its batch."""
         with self._cv:
             hit = [r for r in self._pending if abort_all or not rid or r.rid == rid]
             self._pending = [r for r in self._pending if r not in hit]
             self.stats["num_aborted"] += len(hit)
+            if (abort_all or not rid) and self._interrupt is not None:
+                self._interrupt.set()  # cleared when the next batch is taken
         for r in hit:
             r.aborted = "aborted by /abort_request"
             _resolve(r.loop, r.future, r)
@@ -166,6 +171,8 @@ class Scheduler:
                 batch: list[Request] = []
                 if job is None:
                     batch, self._pending = self._pending, []
+                    if self._interrupt is not None:
+                        self._interrupt.clear()
                     self.stats["num_running"] = len(batch)
             if job is not None:
                 fn, loop, future = job

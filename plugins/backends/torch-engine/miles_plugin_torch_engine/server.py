@@ -236,10 +236,21 @@ def _control_routes(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/pause_generation")
-    async def pause_generation():
-        """SGLang ``POST /pause_generation``: new generate requests wait in the queue; returns
-        once the batch in flight (if any) has finished."""
+    async def pause_generation(request: HttpRequest):
+        """SGLang ``POST /pause_generation`` (``PauseGenerationReqInput{mode}``): new generate
+        requests wait in the queue until ``/continue_generation``. ``mode`` "abort" (SGLang's
+        default): queued and running requests answer at once with finish_reason abort and what
+        they generated so far; "in_place": the batch in flight runs to its end (SGLang holds it
+        mid-way; this engine generates a batch in one call). Returns once the engine is idle."""
+        try:
+            mode = (await json_body(request)).get("mode", "abort")
+        except ValueError as e:
+            return _error(str(e))
+        if mode not in ("abort", "in_place"):
+            return _error(f"mode: {mode!r} is not supported by miles serve; use abort or in_place")
         scheduler.pause()
+        if mode == "abort":
+            scheduler.abort(abort_all=True)
         await scheduler.call(lambda: None)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -252,7 +263,8 @@ def _control_routes(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
     @app.post("/abort_request")
     async def abort_request(request: HttpRequest):
         """SGLang ``POST /abort_request`` (``AbortReq{rid, abort_all}``): queued requests with
-        that rid (all of them for ``""`` or ``abort_all``) answer with finish_reason abort."""
+        that rid (all of them for ``""`` or ``abort_all``, which also cuts the running batch
+        short: ``Scheduler.abort``) answer with finish_reason abort."""
         try:
             body = await json_body(request)
         except ValueError as e:

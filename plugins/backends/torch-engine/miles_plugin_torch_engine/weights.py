@@ -18,6 +18,10 @@ Formats of ``update_weights_from_tensor`` (trainer and engine on one host):
   holding the bucket; tensors are copied out of it into the parameters, and the engine
   synchronises before returning (the trainer may then reuse the buffer). Unpickling is
   restricted to the classes that payload contains.
+* ``{"format": "miles-cuda-ipc/1", "handles": [H, ...], "tensors": [{"name", "dtype", "shape",
+  "handle", "offset"}, ...]}``: the trainer's own storages, tensor ``i`` at byte ``offset`` of
+  ``handles[handle]``. The trainer sends the same handles at every sync while its weights stay
+  in place; the engine opens each once and copies straight out of the trainer's parameters.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import json
 import os
 import pickle
 import re
+from collections import Counter
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -44,6 +49,8 @@ class _State:
         self.segments: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (mapping, last epoch)
         self.adopted: set[int] = set()  # ids of tensors whose storage is a trainer's segment
         self.recv: torch.Tensor | None = None  # reused receive buffer of packed broadcasts
+        self.homes: dict[tuple, torch.Tensor] = {}  # packed bucket's names -> buffer its params live in
+        self.ipc: dict[str, tuple[torch.Tensor, int]] = {}  # CUDA IPC handle -> (storage, last epoch)
         self.epoch = 0  # bumped whenever a tensor payload brings a new weight version
         self.last_version: Any = None
 
@@ -70,17 +77,36 @@ class WeightReceiver:
 
     @torch.no_grad()
     def _assign(self, name: str, src: torch.Tensor, adopt: bool = False) -> None:
-        dst = self._target(name, src.shape)
-        ws = self._ws
-        if adopt and src.dtype == dst.dtype and src.device == dst.device:
-            dst.data = src  # tied names share one Parameter, so both follow
-            ws.adopted.add(id(dst))
-            return
-        if id(dst) in ws.adopted:
-            # its storage is a trainer segment other engines may map too: never write into it
-            dst.data = torch.empty_like(dst)
-            ws.adopted.discard(id(dst))
-        dst.copy_(src)
+        self._assign_all([(name, src)], adopt)
+
+    @torch.no_grad()
+    def _assign_all(self, pairs: Sequence[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
+        """Copy each ``(name, tensor)`` into its parameter, all in one ``_foreach_copy_`` (a few
+        kernel launches per bucket on CUDA, not one per tensor); with ``adopt``, parameters of the
+        same dtype and device become the given tensors instead (no copy). Every valid pair is
+        applied before the first bad name is raised."""
+        ws, errors = self._ws, []
+        dsts, srcs = [], []
+        for name, src in pairs:
+            try:
+                dst = self._target(name, src.shape)
+            except MilesError as e:
+                errors.append(e)
+                continue
+            if adopt and src.dtype == dst.dtype and src.device == dst.device:
+                dst.data = src  # tied names share one Parameter, so both follow
+                ws.adopted.add(id(dst))
+                continue
+            if id(dst) in ws.adopted:
+                # its storage is a trainer segment other engines may map too: never write into it
+                dst.data = torch.empty_like(dst)
+                ws.adopted.discard(id(dst))
+            dsts.append(dst.data)
+            srcs.append(src)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if errors:
+            raise errors[0]
 
     def _set_version(self, weight_version: Any) -> None:
         if weight_version is not None:
@@ -159,12 +185,13 @@ class WeightReceiver:
         plan = W.wire_plan(dtypes, shapes, pack_below)
         into: list[torch.Tensor] = []  # receive buffers in wire order, all posted at once
         staged: list[tuple[str, torch.Tensor]] = []  # (name, tensor) to copy in once received
+        home: list[tuple[str, torch.Tensor]] = []  # (name, view) to re-point at a new home
         if plan.packed:
-            buf = self._recv_buffer(plan.packed_bytes, dev)
+            packed = [names[i] for i in plan.packed]
+            buf, home, copy = self._packed_into(packed, [dtypes[i] for i in plan.packed],
+                                                [shapes[i] for i in plan.packed], plan, dev)
             into.append(buf)
-            got = W.views(buf, [dtypes[i] for i in plan.packed], [shapes[i] for i in plan.packed],
-                          plan.offsets)
-            staged += [(names[i], t) for i, t in zip(plan.packed, got)]
+            staged += copy
         for i in plan.direct:
             dtype, shape = W.to_dtype(dtypes[i]), tuple(int(d) for d in shapes[i])
             dst = self._targets.get(names[i])
@@ -176,12 +203,38 @@ class WeightReceiver:
             into.append(tmp)
             staged.append((names[i], tmp))
         W.broadcast_all(group, into)
-        errors: list[Exception] = []
-        for name, t in staged:
-            self._try(errors, self._assign, name, t)
-        if errors:
-            raise errors[0]
+        for name, view in home:
+            self._targets[name].data = view
+        self._assign_all(staged)
         self._set_version(weight_version)
+
+    def _packed_into(self, names: list[str], dtypes: list, shapes: list, plan: W.WirePlan,
+                     dev: torch.device) -> tuple[torch.Tensor, list, list]:
+        """Where a packed bucket is received: ``(buffer, home, copy)``. Parameters whose dtype,
+        shape and device match the wire live in a buffer of their bucket's layout from their first
+        sync on: later syncs of that layout are received straight into them (no copy at all).
+        ``home`` lists ``(name, view)`` of parameters to re-point into a new such buffer once the
+        bytes are in; ``copy`` those copied out afterwards (other dtypes, tied names, unknown names:
+        the copy reports them)."""
+        ws = self._ws
+        aliases = Counter(id(t) for t in self._targets.values())  # tied names share a Parameter
+        dsts = [self._targets.get(n) for n in names]
+        ok = [d is not None and d.dtype == W.to_dtype(t) and tuple(d.shape) == tuple(int(x) for x in s)
+              and d.device == dev and d.numel() > 0 and id(d) not in ws.adopted and aliases[id(d)] == 1
+              for d, t, s in zip(dsts, dtypes, shapes)]
+        if not any(ok):
+            buf = self._recv_buffer(plan.packed_bytes, dev)
+            return buf, [], list(zip(names, W.views(buf, dtypes, shapes, plan.offsets)))
+        key = tuple(names)
+        buf = ws.homes.get(key)
+        fresh = buf is None or buf.numel() != plan.packed_bytes or not all(
+            d.data_ptr() == buf.data_ptr() + off for d, off, good in zip(dsts, plan.offsets, ok) if good)
+        if fresh:  # a new home; homes of other layouts holding any of these names are dropped
+            ws.homes = {k: b for k, b in ws.homes.items() if not set(k) & set(names)}
+            buf = ws.homes[key] = torch.empty(plan.packed_bytes, dtype=torch.uint8, device=dev)
+        got = list(zip(names, W.views(buf, dtypes, shapes, plan.offsets)))
+        home = [g for g, good in zip(got, ok) if good and fresh]
+        return buf, home, [g for g, good in zip(got, ok) if not good]
 
     def _param_device(self) -> torch.device:
         """The parameters' device with its index ("cuda:0", where the config may say "cuda")."""
@@ -192,13 +245,6 @@ class WeightReceiver:
         if buf is None or buf.numel() < size or buf.device != device:
             buf = self._ws.recv = torch.empty(size, dtype=torch.uint8, device=device)
         return buf[:size]
-
-    @staticmethod
-    def _try(errors: list, fn, *args) -> None:
-        try:
-            fn(*args)
-        except MilesError as e:
-            errors.append(e)
 
     # -- colocated hand-off ------------------------------------------------------------------------
     @torch.no_grad()
@@ -215,8 +261,12 @@ class WeightReceiver:
         if isinstance(desc, (str, bytes)):
             desc = json.loads(desc)
         fmt = desc.get("format") if isinstance(desc, dict) else None
+        ws = self._ws
+        if weight_version is None or weight_version != ws.last_version:
+            ws.epoch += 1  # mappings and handles unused for a while are dropped by epoch
+            ws.last_version = weight_version
         if fmt == SHM_FORMAT:
-            self._from_segment(desc, weight_version)
+            self._from_segment(desc)
         elif fmt == CUDA_IPC_FORMAT:
             self._from_cuda(desc)
         else:
@@ -224,32 +274,41 @@ class WeightReceiver:
                              f"(expected {SHM_FORMAT!r} or {CUDA_IPC_FORMAT!r})")
         self._set_version(weight_version)
 
-    def _from_segment(self, desc: dict, weight_version: Any) -> None:
-        ws = self._ws
-        if weight_version is None or weight_version != ws.last_version:
-            ws.epoch += 1
-            ws.last_version = weight_version
+    def _from_segment(self, desc: dict) -> None:
         buf = self._segment(desc["segment"], int(desc["size"]))
         entries = desc["tensors"]
         got = W.views(buf, [e["dtype"] for e in entries], [e["shape"] for e in entries],
                       [int(e["offset"]) for e in entries])
         adopt = bool(desc.get("adopt")) and self.device.type == "cpu"
-        for e, t in zip(entries, got):
-            self._assign(e["name"], t, adopt=adopt)
+        self._assign_all([(e["name"], t) for e, t in zip(entries, got)], adopt=adopt)
 
     def _from_cuda(self, desc: dict) -> None:
-        buf = _rebuild_cuda(desc["handle"])[:int(desc["size"])]
         entries = desc["tensors"]
-        got = W.views(buf, [e["dtype"] for e in entries], [e["shape"] for e in entries],
-                      [int(e["offset"]) for e in entries])
+        if "handles" in desc:  # the trainer's own storages, each opened once and kept
+            bufs = [self._ipc_storage(h) for h in desc["handles"]]
+            got = [W.views(bufs[int(e["handle"])], [e["dtype"]], [e["shape"]], [int(e["offset"])])[0]
+                   for e in entries]
+        else:
+            bufs = [_rebuild_cuda(desc["handle"])[:int(desc["size"])]]
+            got = W.views(bufs[0], [e["dtype"] for e in entries], [e["shape"] for e in entries],
+                          [int(e["offset"]) for e in entries])
         try:
-            for e, t in zip(entries, got):
-                self._assign(e["name"], t)
+            self._assign_all([(e["name"], t) for e, t in zip(entries, got)])
         finally:
-            # the copies must be done before the trainer reuses or frees its buffer
-            for dev in {buf.device, self._param_device()}:
+            # the copies must be done before the trainer changes, reuses or frees that memory
+            for dev in {b.device for b in bufs} | {self._param_device()}:
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
+
+    def _ipc_storage(self, handle: str) -> torch.Tensor:
+        """A trainer storage by its CUDA IPC handle, opened once (opening one costs far more than
+        copying out of it); dropped when no payload named it for two weight versions."""
+        ws = self._ws
+        have = ws.ipc.get(handle)
+        ws.ipc[handle] = (have[0] if have is not None else _rebuild_cuda(handle), ws.epoch)
+        for old in [h for h, (_, used) in ws.ipc.items() if used < ws.epoch - 1]:
+            del ws.ipc[old]
+        return ws.ipc[handle][0]
 
     def _segment(self, name: str, size: int) -> torch.Tensor:
         """The trainer's segment, mapped once and kept: a fresh mapping costs a page fault per

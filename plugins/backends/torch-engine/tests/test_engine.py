@@ -199,3 +199,42 @@ def test_sampler_distribution(top_k, top_p, allowed):
     want[:allowed] = probs[:allowed] / probs[:allowed].sum()
     freq = torch.bincount(tok, minlength=5).float() / len(tok)
     torch.testing.assert_close(freq, want, atol=0.01, rtol=0)
+
+
+class TripAfter:
+    """An ``interrupt`` event that reads as set from its ``k + 1``-th check on: a deterministic
+    abort in the middle of a generation (the server sets the real one from another thread)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def is_set(self) -> bool:
+        self.k -= 1
+        return self.k < 0
+
+
+@pytest.mark.parametrize("impl", ["hf", "fast"])
+def test_interrupt_returns_partial_samples_that_resume_where_they_stopped(tok, impl):
+    eng = make_engine(tok, impl=impl)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    full = eng.generate(PROMPTS, params, n=2)
+    eng.interrupt = TripAfter(4)
+    cut = eng.generate(PROMPTS, params, n=2)
+    aborted = 0
+    for prompt, whole, part in zip(PROMPTS, full, cut):
+        for w, c in zip(whole, part):
+            if c.finish_reason != "abort":  # finished before the interrupt
+                assert (c.token_ids, c.finish_reason) == (w.token_ids, w.finish_reason)
+                continue
+            aborted += 1
+            k = len(c.token_ids)
+            assert 0 < k < len(w.token_ids) and c.token_ids == w.token_ids[:k]
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(w.logprobs[:k]), atol=1e-5, rtol=0)
+            # resumed from prompt + its tokens with the tokens left: the rest of the same sample
+            eng.interrupt = TripAfter(1 << 30)
+            rest = eng.generate([prompt + c.token_ids], SamplingParams(temperature=0.0, max_new_tokens=12 - k))[0][0]
+            assert (rest.token_ids, rest.finish_reason) == (w.token_ids[k:], w.finish_reason)
+            torch.testing.assert_close(torch.tensor(rest.logprobs), torch.tensor(w.logprobs[k:]), atol=1e-4, rtol=0)
+    assert aborted > 0
+    eng.interrupt = TripAfter(0)  # already set when generate starts: nothing runs
+    assert {(len(c.token_ids), c.finish_reason) for g in eng.generate(PROMPTS, params) for c in g} == {(0, "abort")}

@@ -15,9 +15,15 @@ class BroadcastSyncConfig(BaseModel):
                                                   "update_weights_from_distributed call")
     pack_mb: float | None = Field(None, ge=0, description="tensors below this size share one packed "
                                   "broadcast per bucket; larger ones are broadcast on their own, "
-                                  "straight from the trainer's tensor into the engine's parameter (no "
-                                  "packing copies). None: 1 MiB with gloo, 16 MiB with NCCL; 0: one "
-                                  "broadcast per tensor (what SGLang servers expect)")
+                                  "straight from the trainer's tensor into the engine's parameter. "
+                                  "None: 1 MiB with gloo; with NCCL every tensor (one broadcast per "
+                                  "bucket, which a torch engine receives straight into its parameters "
+                                  "from the second sync on); 0: one broadcast per tensor (what SGLang "
+                                  "servers expect)")
+    dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None, description="send floating-point weights as this dtype, e.g. the engines' bfloat16 "
+                          "(half the bytes of float32 master weights, and received in place); null = "
+                          "the trainer's own dtypes")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl when the "
                                                      "trainer's weights are on a GPU, else gloo. "
                                                      "NCCL needs the engines on other GPUs than "

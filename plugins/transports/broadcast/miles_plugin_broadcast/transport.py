@@ -19,8 +19,10 @@ from miles import weights as W
 from .config import BroadcastSyncConfig
 
 # packed-vs-direct threshold when pack_mb is None: a direct gloo broadcast costs ~0.1 ms of
-# latency, an NCCL one ~20 us but packing runs at device-copy speed (see benchmarks/weight_sync.py)
-AUTO_PACK_BYTES = {"gloo": 1 << 20, "nccl": 16 << 20}
+# latency; on GPUs any per-tensor work (a broadcast, a copy) costs more than moving a typical
+# tensor, while packing a whole bucket takes a few kernels at device-copy speed and a torch
+# engine receives the packed bucket straight into its parameters (see benchmarks/weight_sync.py)
+AUTO_PACK_BYTES = {"gloo": 1 << 20, "nccl": 1 << 62}
 
 
 class BroadcastTransport:
@@ -48,9 +50,9 @@ class BroadcastTransport:
                     self._connect(engines, bucket[0][1])
                     connect += time.perf_counter() - c0
                 if self.cfg.verify:
-                    want.update((n, W.checksum(t)) for n, t in bucket)
+                    want.update((n, W.checksum(t.to(self._wire_dtype(t)))) for n, t in bucket)
                 self._send(bucket, version)
-                nbytes += sum(W.nbytes(t) for _, t in bucket)
+                nbytes += sum(t.numel() * self._wire_dtype(t).itemsize for _, t in bucket)
         except BaseException:
             self._broken = True  # its state is unknown after a failed broadcast: start afresh
             raise
@@ -88,7 +90,8 @@ class BroadcastTransport:
         tensors = [t.detach() for _, t in bucket]
         if self._backend == "gloo":
             tensors = [t.cpu() for t in tensors]
-        dtypes = [W.dtype_name(t.dtype) for t in tensors]
+        wire = [self._wire_dtype(t) for t in tensors]
+        dtypes = [W.dtype_name(d) for d in wire]
         shapes = [list(t.shape) for t in tensors]
         pack_below = self._pack_below()
         plan = W.wire_plan(dtypes, shapes, pack_below)
@@ -103,13 +106,17 @@ class BroadcastTransport:
                 raise MilesError(f"weight sync: engines did not take part in a broadcast within "
                                  f"{self.cfg.timeout_s:.0f} s (sync.timeout_s)")
 
-        out = [tensors[i].contiguous() for i in plan.direct]
+        out = [tensors[i].to(wire[i]).contiguous() for i in plan.direct]
         if plan.packed:
             buf = self._buffer(plan.packed_bytes, tensors[0].device)
-            W.pack([tensors[i] for i in plan.packed], plan.offsets, buf)
+            W.pack([tensors[i] for i in plan.packed], plan.offsets, buf, [wire[i] for i in plan.packed])
             out.insert(0, buf)
         W.broadcast_all(self._group, out, check=check)
         calls.join(max(1.0, deadline - time.monotonic()))
+
+    def _wire_dtype(self, t: Any) -> Any:
+        """The dtype ``t`` travels as (``sync.dtype`` for floating-point tensors)."""
+        return W.to_dtype(self.cfg.dtype) if self.cfg.dtype and t.is_floating_point() else t.dtype
 
     def _pack_below(self) -> int:
         if self.cfg.pack_mb is None:

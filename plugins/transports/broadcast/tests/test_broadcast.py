@@ -20,11 +20,7 @@ def engine_process():
 @pytest.fixture(scope="module")
 def reference():
     """An in-process torch engine: the same weights loaded by reference must generate the same."""
-    from miles import make_plugin_manager
-
-    pm = make_plugin_manager()
-    cfg = pm.registry("engines")["torch"].config()
-    return pm.create("engines", "torch", cfg, spec=TinySpec(hidden=64, seed=0), tokenizer=char_tokenizer())
+    return make_engine()
 
 
 class Policy:
@@ -63,6 +59,46 @@ def test_engine_process_gets_every_version_bit_exactly(engine_process, reference
         reference.load_weights(list(policy.named_weights()), 0)
         assert greedy(engine_process) == greedy(reference)
         policy.step()
+    transport.close()
+
+
+def make_engine(**settings):
+    from miles import make_plugin_manager
+
+    pm = make_plugin_manager()
+    cfg = pm.registry("engines")["torch"].config(**settings)
+    return pm.create("engines", "torch", cfg, spec=TinySpec(hidden=64, seed=0), tokenizer=char_tokenizer())
+
+
+def test_packed_buckets_are_received_straight_into_the_parameters():
+    """From the first sync on, an engine's parameters live in their bucket's receive buffer:
+    later versions land in them with no copy. Tied names share a Parameter, so theirs is copied."""
+    policy, engine, ref = Policy(), make_engine(), make_engine()
+    transport = BroadcastTransport(BroadcastSyncConfig(verify=True, timeout_s=60))
+    homed = lambda: {n: p.data_ptr() for n, p in engine.model.named_parameters() if "embed" not in n}
+    before = homed()
+    for version in (1, 2, 3):
+        transport.sync(policy, [engine], version)
+        if version == 1:
+            after = homed()
+            assert all(after[n] != before[n] for n in after)  # moved into their home
+            (buf,) = engine._ws.homes.values()
+            assert all(0 <= p - buf.data_ptr() < buf.numel() for p in after.values())
+        assert homed() == after  # and stay there: later versions arrive in place
+        assert engine.weight_version == version  # verify=True checked every tensor's bytes
+        ref.load_weights(list(policy.named_weights()), version)
+        assert greedy(engine) == greedy(ref)
+        policy.step()
+    transport.close()
+
+
+def test_weights_travel_as_sync_dtype():
+    policy, engine = Policy(), make_engine(dtype="bfloat16")
+    transport = BroadcastTransport(BroadcastSyncConfig(verify=True, dtype="bfloat16", timeout_s=60))
+    m = transport.sync(policy, [engine], 1)
+    assert m["weight_sync_bytes"] == sum(W.nbytes(t) for _, t in policy.named_weights()) / 2
+    want = {n: W.checksum(t.to(torch.bfloat16)) for n, t in policy.named_weights()}
+    assert engine.weight_checksums(list(want)) == want
     transport.close()
 
 

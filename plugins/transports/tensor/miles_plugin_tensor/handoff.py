@@ -6,7 +6,11 @@ small JSON descriptor: segment name, per tensor its name, dtype, shape and byte 
 ``adopt`` the trainer alternates two segments per bucket: the engine's parameters become views of
 the segment written for version v, so version v+1 goes to the other one. CUDA tensors: the bucket
 is packed into one GPU buffer whose CUDA IPC handle (``reduce_tensor``) travels with the same
-per-tensor offsets; the engine copies out of the trainer's GPU memory into its parameters. Formats are documented in the torch engine's ``weights`` module (the receiving side).
+per-tensor offsets; the engine copies out of the trainer's GPU memory into its parameters. When
+the bucket's tensors are the trainer's own parameters (they stay in place from sync to sync), no
+packing at all: handles of their storages are sent once, and the engine copies straight out of
+them at every sync (``CudaShares``). Formats are documented in the torch engine's ``weights``
+module (the receiving side).
 """
 from __future__ import annotations
 
@@ -109,6 +113,48 @@ def shm_payload(pool: SegmentPool, key: Any, bucket: Sequence[tuple[str, torch.T
     segment, buf = pool.get(key, size)
     W.pack([t for t, _ in slots], [o for _, o in slots], buf)
     return {"format": SHM_FORMAT, "segment": segment, "size": size, "adopt": adopt, "tensors": entries}
+
+
+class CudaShares:
+    """CUDA IPC handles of the trainer's own weight storages, per bucket: the engine copies
+    straight out of the trainer's parameters (one device copy in all, no packing). Handles are
+    made once and reused while the bucket's tensors stay where they are (an optimizer updates
+    them in place); a bucket whose tensors move (fresh tensors every sync, e.g. gathered from
+    shards) is packed into one buffer from then on, as ``cuda_payload`` does."""
+
+    def __init__(self):
+        self.cache: dict[int, tuple[tuple, dict]] = {}  # bucket index -> (where its tensors are, payload)
+        self.moving: set[int] = set()
+
+    def payload(self, index: int, bucket: Sequence[tuple[str, torch.Tensor]]) -> dict | None:
+        """The descriptor for ``bucket`` (None: pack it instead). Synchronise the trainer's
+        device before sending it: the engine reads the live parameters."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if index in self.moving or not all(t.is_contiguous() for _, t in bucket):
+            return None
+        where = tuple((n, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in bucket)
+        hit = self.cache.get(index)
+        if hit is not None:
+            if hit[0] == where:
+                return hit[1]
+            self.moving.add(index)
+            del self.cache[index]
+            return None
+        storages: dict[int, tuple[int, Any]] = {}
+        entries = []
+        for name, t in bucket:
+            st = t.untyped_storage()
+            k = storages.setdefault(st.data_ptr(), (len(storages), st))[0]
+            entries.append({"name": name, "dtype": W.dtype_name(t.dtype), "shape": list(t.shape),
+                            "handle": k, "offset": t.storage_offset() * t.element_size()})
+        handles = []
+        for _, st in storages.values():
+            whole = torch.empty(0, dtype=torch.uint8, device=bucket[0][1].device).set_(st)
+            handles.append(base64.b64encode(pickle.dumps(reduce_tensor(whole))).decode("ascii"))
+        payload = {"format": CUDA_IPC_FORMAT, "handles": handles, "tensors": entries}
+        self.cache[index] = (where, payload)
+        return payload
 
 
 def cuda_payload(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[dict, torch.Tensor]:

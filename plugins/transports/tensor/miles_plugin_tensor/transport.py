@@ -16,6 +16,7 @@ class TensorTransport:
     def __init__(self, cfg: TensorSyncConfig):
         self.cfg = cfg
         self._pool = None  # shared memory segments, made at the first sync to an engine process
+        self._shares = None  # CUDA IPC handles of the trainer's weights, made at the first GPU sync
         self._parity = 0
 
     def sync(self, trainer: Any, engines: Sequence[Any], version: int) -> dict[str, float]:
@@ -47,11 +48,19 @@ class TensorTransport:
         return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(nbytes)}
 
     def _send(self, index: int, bucket: list, engines: Sequence[Any], version: int) -> None:
-        from .handoff import SegmentPool, cuda_payload, shm_payload
+        import torch
+
+        from .handoff import CudaShares, SegmentPool, cuda_payload, shm_payload
 
         keep = None
         if all(t.is_cuda for _, t in bucket):
-            payload, keep = cuda_payload(bucket)
+            if self._shares is None:
+                self._shares = CudaShares()
+            payload = self._shares.payload(index, bucket)
+            if payload is None:
+                payload, keep = cuda_payload(bucket)
+            else:
+                torch.cuda.synchronize(bucket[0][1].device)  # the engine reads the live tensors
         else:
             if self._pool is None:
                 self._pool = SegmentPool()
