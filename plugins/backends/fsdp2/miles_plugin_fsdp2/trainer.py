@@ -288,8 +288,8 @@ class FSDP2Trainer:
                 yield name, t.detach()
             return
         self.reshard()
-        for name, t in self.model.state_dict().items():
-            yield name, _full(t).detach()
+        for name, t in dist_.full_tensors(self.model.state_dict().items()):
+            yield name, t.detach()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors in HF names (the same on every rank); each rank keeps its shard."""

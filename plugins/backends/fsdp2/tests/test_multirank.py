@@ -129,8 +129,25 @@ def every_scenario(tmp) -> None:
     torch.set_num_threads(1)
     res = {"train": scenario_train(ckpt=str(tmp / "ckpt_w2")),
            "resume": scenario_resume(ckpt=str(tmp / "ckpt_w1")),
-           "load_weights": scenario_load_weights()}
+           "load_weights": scenario_load_weights(), "gather": scenario_gather()}
     torch.save(res, tmp / f"rank{os.environ['RANK']}.pt")
+
+
+def scenario_gather() -> dict:
+    """Row-sharded DTensors of uneven row counts (rank 1 holding fewer rows or none), mixed
+    dtypes and a plain tensor, gathered several per collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from miles_plugin_fsdp2.dist import full_tensors
+
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(3)
+    full = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(1, 4, generator=g),
+            "c": torch.randn(7, generator=g), "d": torch.arange(6).view(3, 2),
+            "e": torch.randn(2, 2, generator=g), "plain": torch.randn(3, generator=g)}
+    named = [(k, v if k == "plain" else distribute_tensor(v, mesh, [Shard(0)])) for k, v in full.items()]
+    return {"want": full, "got": dict(full_tensors(named, limit=64))}
 
 
 # A key-projection bias has an exactly zero gradient (softmax ignores a shift shared by all keys),
@@ -197,6 +214,13 @@ def test_two_rank_logprobs_equal_one_rank(runs):
     for b, x, y, z in zip(batches(), r0["logprobs_before"], r0["ref_logprobs"], r0["logprobs"]):
         torch.testing.assert_close(y * b.loss_mask, x * b.loss_mask, rtol=0, atol=1e-6)
         assert float(((z - x) * b.loss_mask).abs().max()) > 1e-3
+
+
+def test_sharded_tensors_are_gathered_several_per_collective(runs):
+    for got in (r["got"] for r in runs["gather"]):
+        assert list(got) == list(runs["gather"][0]["want"])
+        for k, v in runs["gather"][0]["want"].items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
 def test_two_rank_named_weights_are_full_hf_tensors(runs):
