@@ -46,6 +46,7 @@ def single_turn(tasks: list[Task], n: int, engine: Any, tokenizer: Any, params: 
     texts = iter(decode_batch(tokenizer, [c.token_ids for cs in outs for c in cs]))
     return [[Sample(task=task, prompt_ids=prompt_ids, response_ids=c.token_ids, response=next(texts),
                     logprobs=c.logprobs, weight_version=c.weight_version,
+                    weight_versions=c.weight_versions or [c.weight_version],
                     status=Status.COMPLETED if c.finish_reason == "stop" else Status.TRUNCATED)
              for c in completions]
             for task, prompt_ids, completions in zip(tasks, prompts, outs)]

@@ -72,6 +72,10 @@ class RolloutConfig(Strict):
                                       "(default 2 x batch_size)")
     async_workers: int = Field(2, gt=0, description="async: rollout threads, each keeping a chunk of "
                                "batch_size / async_workers prompts in flight")
+    in_flight: Literal["finish", "resume"] = Field(
+        "finish", description="async: requests in flight when new weights are pushed. finish: they "
+        "end on the old weights; resume (partial rollout; engines in their own processes): they are "
+        "aborted and continue from their tokens so far on the new weights (Sample.weight_versions)")
     eval_max_new_tokens: int | None = Field(None, gt=0, description="limit for greedy evaluation "
                                             "(default: max_new_tokens)")
     true_on_policy: bool = Field(False, description="the engine re-scores each training mini-batch "
@@ -223,6 +227,10 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
     if run is not None and kernel.get("rollout") is not None and kernel["rollout"].true_on_policy \
             and getattr(run, "mode", "sync") != "sync":
         problems.append("rollout.true_on_policy: needs run.mode sync (async rollouts come from older weights)")
+    if run is not None and kernel.get("rollout") is not None and kernel["rollout"].in_flight == "resume" \
+            and run.mode != "async":
+        problems.append("rollout.in_flight: resume needs run.mode async (sync runs never push weights "
+                        "while generating)")
     if run is not None and run.warm_start is not None:
         ws = run.warm_start
         if ws.algorithm not in pm.registry("algorithms"):

@@ -154,7 +154,7 @@ class Loop:
         if keep is not None and self._synced_once:  # e.g. LoRA: the frozen base went with the first sync
             trainer = SyncView(trainer, keep)
         self._synced_once = True
-        with self.engine_lock:
+        with self.engine_lock, streaming.paused(self, engines):
             return self.p.transport.sync(trainer, engines, self.version)
 
     def share(self, obj: Any) -> Any:
@@ -445,6 +445,7 @@ class Loop:
                 yaml.safe_dump(cfg.raw, f, sort_keys=False)
         self._catch_signals()
         self.build()
+        streaming.check_engine(self)
         start = self.restore()
         self.open_loggers()
         history = []

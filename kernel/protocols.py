@@ -58,7 +58,10 @@ class Engine(Protocol):
     ``tokenizer`` is the run's tokenizer; ``sampling_params`` the run's rollout settings (set by
     the loop, read by rollout hooks). Optional: ``score(batch, logprob_fn) -> [B, R]``: the
     engine's log-probs of a training batch by ``logprob_fn(model, batch)`` on its own weights
-    (``rollout.true_on_policy``).
+    (``rollout.true_on_policy``). Optional: ``pause_generation(mode="abort")`` and
+    ``continue_generation()`` (SGLang's semantics), called around each weight push of an async run
+    with ``rollout.in_flight: resume``: ``generate`` calls cut short by the pause go on from their
+    tokens so far on the new weights, one ``Completion.weight_versions`` entry per segment.
     """
 
     weight_version: int

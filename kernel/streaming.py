@@ -1,7 +1,9 @@
 """``run.mode: async``: rollout workers stream finished groups into a bounded buffer that the
 trainer drains at its own pace; new weights reach the engines after every step while generation
 goes on. Groups more than ``rollout.max_staleness`` weight versions old are dropped or kept with
-truncated importance weights (``rollout.stale_policy``).
+truncated importance weights (``rollout.stale_policy``); a sample's age is that of its oldest
+tokens (``Sample.weight_version``). Requests in flight at a weight push finish on the old weights,
+or (``rollout.in_flight: resume``) are aborted and resumed on the new ones by the engine client.
 """
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from .errors import EngineRestarted, MilesError
+from .errors import ConfigError, EngineRestarted, MilesError
 from .plugins import call_all
 from .types import Group
 
@@ -112,6 +115,7 @@ class Streamer:
             "buffer_depth": float(self.buffer.qsize()), "trainer_idle_seconds": waited,
             "engine_idle_seconds": blocked - blocked_mark,
             "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "resumed_samples": sum(len(s.weight_versions) > 1 for s in samples),
             "rollout_seconds": waited}
 
     def _get(self) -> Group:
@@ -137,6 +141,34 @@ def start(loop: Any) -> Streamer | None:
     streamer = Streamer(loop)
     streamer.start()
     return streamer
+
+
+def check_engine(loop: Any) -> None:
+    """``rollout.in_flight: resume`` needs an engine that aborts and resumes requests in flight."""
+    engine = loop.p.engine  # None on trainer ranks other than 0
+    if loop.cfg.rollout.in_flight == "resume" and engine is not None \
+            and not hasattr(engine, "pause_generation"):
+        raise ConfigError([("rollout.in_flight: resume needs engines in their own processes that "
+                            "abort and resume requests (launcher.engines >= 1, or engine.name: "
+                            f"sglang); engine {loop.cfg.name('engine')!r} here runs in the trainer's "
+                            "process and cannot: set rollout.in_flight: finish")])
+
+
+@contextlib.contextmanager
+def paused(loop: Any, engines: list) -> Iterator[None]:
+    """Around a weight push of a streaming run with ``rollout.in_flight: resume``: the engines
+    abort the requests in flight (each answers with what it generated so far, and the engine
+    client resumes it after ``continue_generation``) and hold new ones until the weights are in."""
+    if loop.streamer is None or loop.cfg.rollout.in_flight != "resume":
+        yield
+        return
+    try:
+        for e in engines:
+            e.pause_generation(mode="abort")
+        yield
+    finally:
+        for e in engines:
+            e.continue_generation()
 
 
 def importance(loop: Any, batch: Any) -> None:

@@ -49,7 +49,10 @@ class Sample:
     ``prompt_ids``/``response_ids``: token ids; ``logprobs``: the engine's log-probability of each
     response token (temperature applied, before top-p/top-k), ``len == len(response_ids)``;
     ``loss_mask``: 1 for response tokens the policy produced (train on), 0 for tokens it did not
-    (tool output in multi-turn); ``weight_version``: version of the weights that generated it;
+    (tool output in multi-turn); ``weight_version``: version of the weights that generated it
+    (the oldest, when several did); ``weight_versions``: the version of each generation segment, in
+    order: two or more when the request was aborted at a weight update and resumed on the new
+    weights (``rollout.in_flight: resume``), empty when unknown (then ``[weight_version]``);
     ``extensions``: plugin-specific data keyed by plugin id.
     """
 
@@ -63,6 +66,7 @@ class Sample:
     status: Status = Status.COMPLETED
     weight_version: int = 0
     extensions: dict = field(default_factory=dict)
+    weight_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -98,12 +102,14 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """What an engine returns for one sampled sequence."""
+    """What an engine returns for one sampled sequence. ``weight_versions``: one per generation
+    segment when a request was aborted and resumed (``weight_version`` is then the oldest)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int = 0
+    weight_versions: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -76,3 +76,16 @@ def test_cli_broken_yaml_and_failing_plugin(cli, tmp_path):
     r = cli("train", TINY, "--plugin", str(plug))
     assert r.returncode == 2 and "explodes.py failed to import" in r.stderr
     assert "nonexistent_module_xyz" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_rollout_in_flight(pm, cli, tmp_path):
+    bad = "\n".join(_problems(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=abort"])))
+    assert "rollout.in_flight:" in bad and "'finish' or 'resume'" in bad and "'abort'" in bad
+    assert _problems(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=resume"])) == [
+        "rollout.in_flight: resume needs run.mode async (sync runs never push weights while generating)"]
+    cfg = resolve(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=resume", "run.mode=async"]))
+    assert cfg.rollout.in_flight == "resume"
+    # the engine inside the trainer's process cannot abort and resume: an error before any training
+    r = cli("train", TINY, f"run.out_dir={tmp_path}", "run.mode=async", "rollout.in_flight=resume")
+    assert r.returncode == 2 and "rollout.in_flight: resume needs engines in their own processes" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "metrics.jsonl").exists()

@@ -199,6 +199,65 @@ def test_abort_a_queued_request(servers):
     pool.shutdown()
 
 
+def seq_logprobs(model, prompt, tokens):
+    """Log-probs (temperature 1) of ``tokens`` after ``prompt``: one forward, no cache."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def test_pause_abort_then_resume_joins_old_and_new_weights(model_dir, tmp_path):
+    """``rollout.in_flight: resume`` at the client: an aborting pause in the middle of a batch, new
+    weights, continue. Every sample finishes; a cut one is the old weights' prefix joined to what
+    the new weights generated after prompt + prefix, and records both versions."""
+    from transformers import AutoModelForCausalLM
+
+    log = tmp_path / "serve.log"
+    proc = start(model_dir, log)
+    pool = cf.ThreadPoolExecutor(1)
+    try:
+        server = Served(proc, wait_listening(proc, log), log)
+        pm = make_plugin_manager()
+        cfg = pm.registry("engines")["sglang"].config(urls=[server.url], weights_dir=str(tmp_path / "w"))
+        engine = pm.create("engines", "sglang", cfg, spec=None, tokenizer=None, seed=0)
+        new = lively(TinySpec().build_model(char_tokenizer()), 7)
+        prompts = [[2, 5 + i] for i in range(8)]
+        try:
+            future = pool.submit(engine.generate, prompts, SamplingParams(max_new_tokens=120), 4)
+            deadline = time.time() + 60
+            while info(server)["num_running"] == 0:  # the batch is on the engine
+                assert time.time() < deadline and not future.done()
+                time.sleep(0.002)
+            engine.pause_generation(mode="abort")
+            engine.load_weights([(n, p.detach()) for n, p in new.named_parameters()], 1)
+            engine.continue_generation()
+            groups = future.result(timeout=120)
+        finally:
+            engine.close()
+        assert post(server, "/pause_generation", {"mode": "retract"}).status_code == 400
+    finally:
+        pool.shutdown()
+        proc.kill()
+        proc.wait(30)
+    old = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    atol = 1e-4 if DTYPE == torch.float32 else 5e-2
+    cut = 0
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            assert c.finish_reason in ("stop", "length") and len(c.token_ids) == len(c.logprobs) <= 120
+            assert c.weight_versions in ([0], [1], [0, 1]) and c.weight_version == c.weight_versions[0]
+            lp = torch.tensor(c.logprobs)
+            on_old = torch.isclose(lp, seq_logprobs(old, prompt, c.token_ids), atol=atol, rtol=0)
+            on_new = torch.isclose(lp, seq_logprobs(new, prompt, c.token_ids), atol=atol, rtol=0)
+            if c.weight_versions != [0, 1]:
+                assert (on_old if c.weight_versions == [0] else on_new).all()
+                continue
+            cut += 1
+            k = int((~on_old).nonzero()[0])  # the first token the old weights did not generate
+            assert 0 < k < len(c.token_ids) and on_new[k:].all()
+    assert cut > 0
+
+
 def test_sglang_plugin_routes_updates_weights_and_survives_kill_9(servers, model_dir, tmp_path):
     pm = make_plugin_manager()
     comp = pm.registry("engines")["sglang"]

@@ -39,6 +39,9 @@ class SGLangEngine:
         self.sampling_params: SamplingParams | None = None
         self.seed = seed
         self.weight_version = 0
+        self._pauses = 0  # pause_generation(mode="abort") calls: the outputs they cut short resume
+        self._generating = asyncio.Event()  # clear while we hold the servers paused (our loop only)
+        self._generating.set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="miles-sglang", daemon=True)
         self._thread.start()
@@ -116,20 +119,41 @@ class SGLangEngine:
         """``n`` samples of each prompt in one request. SGLang answers a batch with ``n > 1``
         sample-major (all prompts' first samples, then the second ...; ``GenerateReqInput.
         _expand_inputs`` in ``managers/io_struct.py``)."""
-        sampling = {"temperature": params.temperature, "top_p": params.top_p,
-                    "top_k": params.top_k if params.top_k > 0 else -1,
-                    "max_new_tokens": params.max_new_tokens,
-                    "stop_token_ids": list(params.stop_token_ids), "n": n,
-                    "no_stop_trim": True, "skip_special_tokens": False}
+        sampling = _sampling(params, n)
         if params.seed is not None and self.cfg.seeded_requests:  # distinct per prompt, reproducible per call
             sampling = [{**sampling, "sampling_seed": params.seed + offset + i} for i in range(len(prompts))]
-        body = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True}
-        data, _ = await self.router.post("/generate", body)
-        outs = data if isinstance(data, list) else [data]
+        outs, pauses = await self._post(prompts, sampling)
         B = len(prompts)
         if len(outs) != B * n:
             raise MilesError(f"/generate answered {len(outs)} outputs for {B} prompts x n={n}")
-        return [[self._completion(outs[j * B + i]) for j in range(n)] for i in range(B)]
+        groups = [[self._completion(outs[j * B + i]) for j in range(n)] for i in range(B)]
+        if pauses != self._pauses:  # our pause_generation(mode="abort") may have cut some short
+            await self._resume([(p, c) for p, g in zip(prompts, groups) for c in g], params)
+        return groups
+
+    async def _post(self, prompts: list[list[int]], sampling: Any) -> tuple[list[dict], int]:
+        """``/generate`` once we do not hold the servers paused; its outputs, and the count of
+        our aborting pauses it was sent under."""
+        while not self._generating.is_set():  # a loop: a new pause may come before we wake
+            await self._generating.wait()
+        pauses = self._pauses
+        body = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True}
+        data, _ = await self.router.post("/generate", body)
+        return (data if isinstance(data, list) else [data]), pauses
+
+    async def _resume(self, pairs: list[tuple[list[int], Completion]], params: SamplingParams) -> None:
+        """Partial rollout: each completion our pause aborted goes on from prompt + its tokens
+        with the tokens it has left, on the weights loaded before generation continued; the
+        pieces are joined in place (again, if another pause cuts the rest short)."""
+        todo = [(p, c) for p, c in pairs if c.finish_reason == "abort"]
+        while todo:
+            left = [max(0, params.max_new_tokens - len(c.token_ids)) for _, c in todo]
+            sampling = [{**_sampling(params, 1), "max_new_tokens": k} for k in left]
+            outs, pauses = await self._post([p + c.token_ids for p, c in todo], sampling)
+            for (_, c), out in zip(todo, outs):
+                _join(c, self._completion(out))
+            paused_meanwhile = pauses != self._pauses
+            todo = [(p, c) for p, c in todo if c.finish_reason == "abort" and paused_meanwhile]
 
     def _completion(self, out: dict) -> Completion:
         """A ``miles.Completion`` from one SGLang output: token ids and log-probs from
@@ -139,8 +163,8 @@ class SGLangEngine:
         ids = [int(p[1]) for p in pairs] if pairs else [int(t) for t in out.get("output_ids") or []]
         finish = (meta.get("finish_reason") or {}).get("type") or "length"
         version = _int_version(meta.get("weight_version"))
-        return Completion(ids, [float(p[0]) for p in pairs], finish,
-                          self.weight_version if version is None else version)
+        version = self.weight_version if version is None else version
+        return Completion(ids, [float(p[0]) for p in pairs], finish, version, [version])
 
     # -- weights ---------------------------------------------------------------------------------
     @property
@@ -259,21 +283,35 @@ class SGLangEngine:
             s.weight_version = weight_version
 
     # -- control ---------------------------------------------------------------------------------
-    def pause_generation(self) -> list:
-        """``POST /pause_generation`` on every live server."""
-        return self._control("POST", "/pause_generation")
+    def pause_generation(self, mode: str = "abort") -> list:
+        """``POST /pause_generation`` on every live server (SGLang's ``mode``: "abort", "retract",
+        "in_place"). With "abort" the requests in flight answer at once with what they generated
+        so far, and ``generate`` resumes them (``rollout.in_flight: resume``) once
+        ``continue_generation`` is called: they finish on the weights loaded in between. A
+        server found unreachable is routed around, not an error (it has nothing to pause)."""
+        if mode == "abort":
+            self._run(self._hold())
+        return self._control("POST", "/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> list:
-        """``POST /continue_generation`` on every live server."""
-        return self._control("POST", "/continue_generation")
+        """``POST /continue_generation`` on every live server; requests held back since an
+        aborting pause go out."""
+        try:
+            return self._control("POST", "/continue_generation")
+        finally:
+            self._loop.call_soon_threadsafe(self._generating.set)
+
+    async def _hold(self) -> None:
+        self._pauses += 1
+        self._generating.clear()
 
     def flush_cache(self) -> list:
         """``POST /flush_cache`` on every live server."""
         return self._control("POST", "/flush_cache")
 
-    def _control(self, method: str, path: str) -> list:
+    def _control(self, method: str, path: str, body: Any = None) -> list:
         live = [s for s in self.router.servers if s.healthy]
-        return self._run(self.router.broadcast(method, path, [None] * len(live), live))
+        return self._run(self.router.broadcast(method, path, [body] * len(live), live, skip_down=True))
 
     def health(self) -> dict[str, bool]:
         """Probe every server now: ``{url: healthy}`` (also updates the routing)."""
@@ -284,6 +322,24 @@ class SGLangEngine:
         """Per server: requests answered, outstanding, healthy, stale."""
         return {s.url: {"served": s.served, "outstanding": s.outstanding, "healthy": s.healthy,
                         "stale": s.stale} for s in self.router.servers}
+
+
+def _sampling(params: SamplingParams, n: int) -> dict:
+    """SGLang ``sampling_params`` of one request."""
+    return {"temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1, "max_new_tokens": params.max_new_tokens,
+            "stop_token_ids": list(params.stop_token_ids), "n": n, "no_stop_trim": True,
+            "skip_special_tokens": False}
+
+
+def _join(first: Completion, rest: Completion) -> None:
+    """``rest``, generated after ``first`` was aborted, appended to it; a segment without tokens
+    leaves no weight version behind; ``weight_version`` becomes the oldest."""
+    versions = [v for c in (first, rest) if c.token_ids for v in c.weight_versions]
+    first.weight_versions = versions or rest.weight_versions
+    first.weight_version = min(first.weight_versions)
+    first.token_ids, first.logprobs = first.token_ids + rest.token_ids, first.logprobs + rest.logprobs
+    first.finish_reason = rest.finish_reason
 
 
 def _int_version(v: Any) -> int | None:

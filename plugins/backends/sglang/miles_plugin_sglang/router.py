@@ -115,15 +115,20 @@ class Router:
         raise MilesError(f"{path} failed on every server tried ({len(tried)}): {detail}")
 
     async def broadcast(self, method: str, path: str, bodies: list[Any], servers: list[Server],
-                        timeout: float | None = None) -> list[Any]:
+                        timeout: float | None = None, skip_down: bool = False) -> list[Any]:
         """The same call on each of ``servers`` concurrently (``bodies[i]`` to ``servers[i]``);
-        raises ``MilesError`` naming every server that failed, after all have answered."""
+        raises ``MilesError`` naming every server that failed, after all have answered.
+        ``skip_down``: an unreachable server is marked down and answers None instead."""
         results = await asyncio.gather(*(self.send(s, method, path, b, timeout)
                                          for s, b in zip(servers, bodies)), return_exceptions=True)
         failed = [(s, r) for s, r in zip(servers, results) if isinstance(r, BaseException)]
+        down = [s for s, r in failed if isinstance(r, RetryableError) and r.down]
         for s, r in failed:
-            if isinstance(r, RetryableError) and r.down:
+            if s in down:
                 self._down(s, str(r))
+        if skip_down:
+            failed = [(s, r) for s, r in failed if s not in down]
+            results = [None if s in down else r for s, r in zip(servers, results)]
         if failed:
             raise MilesError(f"{path} failed on {len(failed)} of {len(servers)} server(s): "
                              + "; ".join(str(r) for _, r in failed))

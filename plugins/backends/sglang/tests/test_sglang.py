@@ -6,14 +6,14 @@ import json
 import socket
 
 import pytest
-from miles import MilesError, make_plugin_manager
+from miles import Completion, MilesError, make_plugin_manager
 from miles import weights as W
 from miles.testing import assert_lazy_registration
 from pydantic import ValidationError
 
 from miles_plugin_sglang.config import SGLangEngineConfig
 from miles_plugin_sglang.disk import write_version
-from miles_plugin_sglang.engine import SGLangEngine
+from miles_plugin_sglang.engine import SGLangEngine, _join
 from miles_plugin_sglang.router import Router
 
 
@@ -131,3 +131,35 @@ def test_weights_folder_is_the_kernel_disk_format(tmp_path):
     for name, t in named:
         assert torch.equal(back[name], t) and back[name].dtype == t.dtype
     assert json.loads((tmp_path / "v00000003.r1" / "manifest.json").read_text())["version"] == 3
+
+
+def test_resumed_pieces_are_joined_with_their_weight_versions():
+    c = Completion([7, 8], [-0.5, -1.0], "abort", 3, [3])
+    _join(c, Completion([], [], "abort", 4, [4]))  # cut again before it ran: no tokens, no version
+    _join(c, Completion([9], [-0.25], "stop", 4, [4]))
+    assert (c.token_ids, c.logprobs, c.finish_reason) == ([7, 8, 9], [-0.5, -1.0, -0.25], "stop")
+    assert (c.weight_versions, c.weight_version) == ([3, 4], 3)  # as old as its oldest token
+    queued = Completion([], [], "abort", 3, [3])  # aborted before it ran
+    _join(queued, Completion([5], [-0.1], "length", 4, [4]))
+    assert (queued.token_ids, queued.weight_versions, queued.weight_version) == ([5], [4], 4)
+
+
+def test_pause_skips_an_unreachable_server():
+    import httpx
+
+    def answer(request):
+        if request.url.host == "b":
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"status": "ok", "mode": json.loads(request.content)["mode"]})
+
+    async def main():
+        r = Router(["http://a", "http://b"], api_key=None, timeout_s=1, max_retries=0, max_concurrency=2)
+        await r.close()
+        r._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        out = await r.broadcast("POST", "/pause_generation", [{"mode": "abort"}] * 2, r.servers, skip_down=True)
+        assert out == [{"status": "ok", "mode": "abort"}, None] and not r.servers[1].healthy
+        with pytest.raises(MilesError, match="failed on 1 of 2"):  # without skip_down: an error
+            await r.broadcast("POST", "/pause_generation", [{"mode": "abort"}] * 2, r.servers)
+        await r.close()
+
+    asyncio.run(main())

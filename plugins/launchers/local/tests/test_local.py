@@ -160,3 +160,42 @@ def test_two_colocated_ranks_then_resume_at_world_size_one(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from step 2" in r.stdout
     assert [g["step"] for g in rows(out)] == [0, 1, 2, 3, 4]
+
+
+RECORD_SAMPLES = '''
+import json
+from miles import hookimpl
+
+
+@hookimpl
+def miles_filter(group):
+    with open({path!r}, "a") as f:
+        for s in group.samples:
+            f.write(json.dumps({{"versions": s.weight_versions, "version": s.weight_version,
+                                 "tokens": len(s.response_ids), "logprobs": len(s.logprobs),
+                                 "mask": len(s.loss_mask)}}) + "\\n")
+'''
+
+
+def test_async_partial_rollout_resumes_in_flight_requests_on_new_weights(tmp_path):
+    out, seen = tmp_path / "run", tmp_path / "samples.jsonl"
+    plugin = tmp_path / "record_samples.py"
+    plugin.write_text(RECORD_SAMPLES.format(path=str(seen)))
+    # an untrained model (no warm start) samples long responses, on the engine's slower generic
+    # path: the engine, not the trainer, is the bottleneck, so a weight push finds a batch decoding
+    rc, _, err = finish(launch(out, "launcher.engines=1", "launcher.engine_threads=1", "run.steps=6",
+                               "run.mode=async", "rollout.in_flight=resume", "run.warm_start=null",
+                               "engine.impl=hf", "model.config.max_position_embeddings=128",
+                               "rollout.max_new_tokens=64", "algorithm.filter_zero_variance=false",
+                               f"plugins=[{plugin}]"))
+    assert rc == 0, err[-3000:]
+    got = rows(out)
+    assert [r["step"] for r in got] == list(range(7))  # every step once
+    samples = [json.loads(line) for line in seen.read_text().splitlines()]
+    for s in samples:
+        assert s["tokens"] == s["logprobs"] == s["mask"] and 0 < s["tokens"] <= 64
+        assert s["versions"] == sorted(s["versions"]) and s["version"] == s["versions"][0]
+    resumed = [s for s in samples if len(s["versions"]) > 1]
+    assert resumed and all(len(set(s["versions"])) >= 2 for s in resumed)
+    assert sum(r["resumed_samples"] for r in got[1:]) > 0
+    assert run_processes(out) == []
