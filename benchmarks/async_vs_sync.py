@@ -8,7 +8,7 @@ each (trained samples / summed step time), learning at equal samples (reward ove
 and final greedy eval accuracy), and a PNG of both learning curves (reward vs trained samples).
 The last line is the samples-per-second ratio.
 
-    python benchmarks/async_vs_sync.py [--steps 40] [--quick] [--out benchmarks/out]
+    python benchmarks/async_vs_sync.py [--steps 40] [--quick] [--in-flight finish|resume] [--out DIR]
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def warm_model(work: Path, quick: bool) -> Path:
     return folder
 
 
-def recipe(model: Path, mode: str, steps: int, out: Path) -> Path:
+def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "finish") -> Path:
     cfg = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
     cfg["model"] = {"name": "hf", "path": str(model)}
     cfg["run"].pop("warm_start")
@@ -54,6 +54,8 @@ def recipe(model: Path, mode: str, steps: int, out: Path) -> Path:
     # refill rounds would make the two modes train different numbers of samples)
     cfg["algorithm"]["filter_zero_variance"] = False
     cfg["rollout"].update(max_staleness=1, oversample_rounds=0)
+    if mode == "async":
+        cfg["rollout"]["in_flight"] = in_flight
     cfg["launcher"] = {"name": "local", "engines": 1, "engine_threads": 1}
     cfg["loggers"] = [{"name": "console", "every": 10}]
     path = out.parent / f"{mode}.yaml"
@@ -101,6 +103,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true", help="shorter warm start and 12 steps (a smoke run)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "async_vs_sync"))
+    ap.add_argument("--in-flight", default="finish", choices=["finish", "resume"],
+                    help="async: requests in flight at a weight push finish on the old weights, or "
+                         "are aborted and resumed on the new ones (rollout.in_flight)")
     args = ap.parse_args()
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -116,7 +121,7 @@ def main() -> None:
 
             shutil.rmtree(out)
         print(f"{mode}: {steps} steps")
-        miles("train", str(recipe(model, mode, steps, out)))
+        miles("train", str(recipe(model, mode, steps, out, args.in_flight)))
         results[mode] = summary(out, n)
     for mode, r in results.items():
         print(f"  {mode:5s}: {r['samples']} samples in {r['seconds']:.1f} s = {r['samples_per_s']:.1f} "
