@@ -34,12 +34,13 @@ def miles(*args: str) -> None:
 
 def warm_model(work: Path, quick: bool) -> Path:
     """The quickstart's warm start, run once and exported as a Hugging Face folder."""
-    folder = work / "warm_model"
+    folder = work / ("warm_model_quick" if quick else "warm_model")  # a --quick one is weaker
     if folder.is_dir():
         return folder
     ws = ["run.warm_start.max_steps=150", "run.warm_start.min_steps=100"] if quick else []
-    miles("train", "recipes/quickstart.yaml", f"run.out_dir={work / 'warm'}", "run.steps=0", *ws)
-    miles("export", str(work / "warm"), "--to", str(folder))
+    run = work / ("warm_quick" if quick else "warm")
+    miles("train", "recipes/quickstart.yaml", f"run.out_dir={run}", "run.steps=0", *ws)
+    miles("export", str(run), "--to", str(folder))
     return folder
 
 
