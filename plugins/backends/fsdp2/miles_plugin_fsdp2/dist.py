@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from miles import MilesError
+from miles import weights as W
 
 # one gloo group per default process group, for Python objects and barriers: a second trainer in
 # the same process (warm start -> RL) reuses it instead of creating another
@@ -153,19 +154,15 @@ def full_tensors(named: Any, limit: int = GATHER_BYTES) -> Any:
     size = 0
     for name, t in named:
         batchable = isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),) and t.dim() > 0
-        if group and (not batchable or t.dtype != group[0][1].dtype or size + _nbytes(t) > limit):
+        if group and (not batchable or t.dtype != group[0][1].dtype or size + W.nbytes(t) > limit):
             yield from _gather_rows(group)
             group, size = [], 0
         if batchable:
             group.append((name, t))
-            size += _nbytes(t)
+            size += W.nbytes(t)
         else:
             yield name, t.full_tensor() if isinstance(t, DTensor) else t
     yield from _gather_rows(group)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _gather_rows(group: list[tuple[str, Any]]) -> Any:
@@ -183,10 +180,9 @@ def _gather_rows(group: list[tuple[str, Any]]) -> Any:
         row_numel = math.prod(rest)
         plan.append((name, rows, rest, chunk, row_numel, total))
         total += chunk * row_numel
-    local = group[0][1].to_local()
-    send = torch.zeros(total, dtype=local.dtype, device=local.device)
-    for (name, rows, rest, chunk, row_numel, off), (_, t) in zip(plan, group):
-        mine = t.to_local().reshape(-1)
+    locals_ = [t.to_local().reshape(-1) for _, t in group]
+    send = torch.zeros(total, dtype=locals_[0].dtype, device=locals_[0].device)
+    for (*_, off), mine in zip(plan, locals_):
         send[off:off + mine.numel()].copy_(mine)
     out = torch.empty(world * total, dtype=send.dtype, device=send.device)
     dist.all_gather_into_tensor(out, send, group=pg)

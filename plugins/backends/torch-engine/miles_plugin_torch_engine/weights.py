@@ -285,7 +285,7 @@ class WeightReceiver:
     def _from_cuda(self, desc: dict) -> None:
         entries = desc["tensors"]
         if "handles" in desc:  # the trainer's own storages, each opened once and kept
-            bufs = [self._ipc_storage(h) for h in desc["handles"]]
+            bufs = self._ipc_storages(desc["handles"])
             got = [W.views(bufs[int(e["handle"])], [e["dtype"]], [e["shape"]], [int(e["offset"])])[0]
                    for e in entries]
         else:
@@ -300,15 +300,15 @@ class WeightReceiver:
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
 
-    def _ipc_storage(self, handle: str) -> torch.Tensor:
-        """A trainer storage by its CUDA IPC handle, opened once (opening one costs far more than
-        copying out of it); dropped when no payload named it for two weight versions."""
+    def _ipc_storages(self, handles: list[str]) -> list[torch.Tensor]:
+        """Trainer storages by their CUDA IPC handles, each opened once (opening one costs far
+        more than copying out of it); one no payload named for two weight versions is dropped."""
         ws = self._ws
-        have = ws.ipc.get(handle)
-        ws.ipc[handle] = (have[0] if have is not None else _rebuild_cuda(handle), ws.epoch)
-        for old in [h for h, (_, used) in ws.ipc.items() if used < ws.epoch - 1]:
-            del ws.ipc[old]
-        return ws.ipc[handle][0]
+        for h in handles:
+            have = ws.ipc.get(h)
+            ws.ipc[h] = (have[0] if have is not None else _rebuild_cuda(h), ws.epoch)
+        ws.ipc = {h: e for h, e in ws.ipc.items() if e[1] >= ws.epoch - 1}
+        return [ws.ipc[h][0] for h in handles]
 
     def _segment(self, name: str, size: int) -> torch.Tensor:
         """The trainer's segment, mapped once and kept: a fresh mapping costs a page fault per
