@@ -89,6 +89,25 @@ def buckets(named: Iterable[tuple[str, "torch.Tensor"]],
         yield group
 
 
+def timed(named: Iterable[tuple[str, "torch.Tensor"]], spent: list[float]) -> Iterator[tuple[str, Any]]:
+    """``named``, adding to ``spent[0]`` the seconds spent producing its tensors (e.g. gathering
+    FSDP shards; a CUDA tensor counts until it is ready, not just until its kernels are queued)."""
+    import time
+
+    it = iter(named)
+    while True:
+        t0 = time.perf_counter()
+        item = next(it, None)
+        if item is None:
+            return
+        if item[1].is_cuda:
+            import torch
+
+            torch.cuda.current_stream(item[1].device).synchronize()
+        spent[0] += time.perf_counter() - t0
+        yield item
+
+
 def align(n: int) -> int:
     """``n`` rounded up to ``ALIGN``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN

@@ -33,6 +33,7 @@ class BroadcastTransport:
         self._members: list[tuple[int, int]] = []
         self._send_buf = None
         self._broken = False
+        self._waited = 0.0
 
     def sync(self, trainer: Any, engines: Sequence[Any], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -42,9 +43,9 @@ class BroadcastTransport:
                 pass
             return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": 0.0}
         want: dict[str, str] = {}
-        nbytes, connect = 0, 0.0
+        nbytes, connect, gather, self._waited = 0, 0.0, [0.0], 0.0
         try:
-            for bucket in W.buckets(named, self.cfg.bucket_mb << 20):
+            for bucket in W.buckets(W.timed(named, gather), self.cfg.bucket_mb << 20):
                 if (self._group is None or self._broken or self._members != _members(engines)):
                     c0 = time.perf_counter()
                     self._connect(engines, bucket[0][1])
@@ -59,7 +60,8 @@ class BroadcastTransport:
         if self.cfg.verify:
             W.verify(engines, want, version)
         return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(nbytes),
-                "weight_sync_connect_seconds": connect}
+                "weight_sync_connect_seconds": connect, "weight_sync_gather_seconds": gather[0],
+                "weight_sync_engine_wait_seconds": self._waited}
 
     def _connect(self, engines: Sequence[Any], first: Any) -> None:
         """A new group: this process is rank 0 and hosts the store; the engines take the next
@@ -112,7 +114,9 @@ class BroadcastTransport:
             W.pack([tensors[i] for i in plan.packed], plan.offsets, buf, [wire[i] for i in plan.packed])
             out.insert(0, buf)
         W.broadcast_all(self._group, out, check=check)
+        t0 = time.perf_counter()  # the bytes are in; the engines' calls still have to return
         calls.join(max(1.0, deadline - time.monotonic()))
+        self._waited += time.perf_counter() - t0
 
     def _wire_dtype(self, t: Any) -> Any:
         """The dtype ``t`` travels as (``sync.dtype`` for floating-point tensors)."""
