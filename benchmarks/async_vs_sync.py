@@ -2,8 +2,9 @@
 
 Both runs start from one warm-started model (the quickstart's supervised phase, run once and
 exported), use the local launcher with one engine worker process and one trainer process (one
-CPU thread each, so rollout and training take comparable time), and train the same number of
-steps of ``rollout.batch_size`` groups. Only ``run.mode`` differs. Printed: samples per second of
+CPU thread each) and the quickstart's dynamic sampling (zero-variance groups dropped, the batch
+refilled: rollout and training take comparable time), and train the same number of steps of
+``rollout.batch_size`` groups. Only ``run.mode`` differs. Printed: samples per second of
 each (trained samples / summed step time), learning at equal samples (reward over the last steps
 and final greedy eval accuracy), and a PNG of both learning curves (reward vs trained samples).
 The last line is the samples-per-second ratio.
@@ -51,10 +52,10 @@ def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "fini
     cfg["run"].update(steps=steps, out_dir=str(out), eval_every=steps, checkpoint_every=steps,
                       threads=1, mode=mode)
     cfg["trainer"]["warmup_steps"] = 0
-    # every step trains exactly batch_size groups in both modes (no zero-variance filter, whose
-    # refill rounds would make the two modes train different numbers of samples)
-    cfg["algorithm"]["filter_zero_variance"] = False
-    cfg["rollout"].update(max_staleness=1, oversample_rounds=0)
+    # the recipe's dynamic sampling stays on (groups whose rewards are all equal are dropped and
+    # the batch is refilled), so rollout costs about what training does; enough refill rounds that
+    # every step of both modes trains exactly batch_size groups (checked in summary())
+    cfg["rollout"].update(max_staleness=1, oversample_rounds=8)
     if mode == "async":
         cfg["rollout"]["in_flight"] = in_flight
     cfg["launcher"] = {"name": "local", "engines": 1, "engine_threads": 1}
@@ -64,10 +65,13 @@ def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "fini
     return path
 
 
-def summary(out: Path, n: int) -> dict:
+def summary(out: Path, n: int, batch: int) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     samples = [r["groups_kept"] * n for r in steps]
+    short = [r["step"] for r in steps if r["groups_kept"] < batch]
+    if short:
+        print(f"  note: steps {short} of {out.name} trained fewer than {batch} groups")
     seconds = sum(r["step_seconds"] for r in steps)
     tail = steps[-max(1, len(steps) // 4):]
     return {"samples_per_s": sum(samples) / seconds, "seconds": seconds, "samples": sum(samples),
@@ -113,7 +117,7 @@ def main() -> None:
     steps = 12 if args.quick else args.steps
     print("warm start (once, shared by both runs)")
     model = warm_model(work, args.quick)
-    n = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())["rollout"]["n"]
+    rollout = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())["rollout"]
     results = {}
     for mode in ("sync", "async"):
         out = work / mode
@@ -123,7 +127,7 @@ def main() -> None:
             shutil.rmtree(out)
         print(f"{mode}: {steps} steps")
         miles("train", str(recipe(model, mode, steps, out, args.in_flight)))
-        results[mode] = summary(out, n)
+        results[mode] = summary(out, rollout["n"], rollout["batch_size"])
     for mode, r in results.items():
         print(f"  {mode:5s}: {r['samples']} samples in {r['seconds']:.1f} s = {r['samples_per_s']:.1f} "
               f"samples/s; reward (last quarter) {r['reward_tail']:.3f}; eval_accuracy "

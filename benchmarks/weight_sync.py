@@ -148,10 +148,12 @@ class Sync:
         comp = pm.registry("transports")[name]
         self.tr = pm.create("transports", name, comp.config(**settings), out_dir=folder)
         self.trainer, self.engine, self.version = trainer, engine, 0
+        self.parts: dict[str, float] = {}  # the sync's own timings (weight_sync_*_seconds), last run
 
     def once(self) -> None:
         self.version += 1
-        self.tr.sync(self.trainer, [self.engine], self.version)
+        m = self.tr.sync(self.trainer, [self.engine], self.version)
+        self.parts = {k[12:-8] or "total": v for k, v in m.items() if k.startswith("weight_sync_") and k.endswith("_seconds")}
 
     def close(self) -> None:
         from miles import weights as W
@@ -224,6 +226,8 @@ def main() -> None:
                     sync = Sync(name, settings, trainer, engine, folder)
                     try:
                         best = measure([("raw", raw), (label, sync)], args.repeat)
+                        print(f"  {label}: last sync " + ", ".join(f"{k} {v * 1e3:.1f} ms"
+                                                                  for k, v in sync.parts.items()), flush=True)
                     finally:
                         sync.close()
                     raw_gbs, gbs = nbytes / best["raw"] / 1e9, nbytes / best[label] / 1e9

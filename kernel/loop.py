@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import yaml
 
 from . import builtin, checkpoint, streaming
+from . import weights as W
 from .builtin import encode_prompts, single_turn
 from .config import Config
 from .errors import EngineRestarted, MilesError
@@ -75,6 +76,7 @@ class Loop:
         self.bad_steps = self.nonfinite_total = 0
         self._previous: dict[int, Any] = {}
         self._synced_once = False
+        self._push: W.Calls | None = None  # a background weight push in flight (async runs)
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, with_engine: bool = True) -> Parts:
@@ -140,6 +142,7 @@ class Loop:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the eval split (rank 0; the other ranks get ``{}``)."""
+        self.finish_push()
         if not self.main:
             return {}
         tasks = list(self.p.env.tasks("eval"))
@@ -148,14 +151,32 @@ class Loop:
         return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
                 "eval_reward_mean": sum(rewards) / max(len(rewards), 1)}
 
-    def sync(self) -> dict[str, float]:
+    def sync(self, background: bool = False) -> dict[str, float]:
+        """Push the trainer's weights to the engines as ``self.version``. ``background`` (async
+        runs): the weights are copied, then pushed on a thread while the trainer goes on with the
+        next step; the next push, an evaluation and the end of the run wait for it."""
+        done = self.finish_push()
         engines = [self.p.engine] if self.p.engine is not None else []
         trainer, keep = self.p.trainer, getattr(self.p.spec, "sync_filter", None)
         if keep is not None and self._synced_once:  # e.g. LoRA: the frozen base went with the first sync
             trainer = SyncView(trainer, keep)
         self._synced_once = True
-        with self.engine_lock, streaming.paused(self, engines):
-            return self.p.transport.sync(trainer, engines, self.version)
+        if not background:
+            with self.engine_lock, streaming.paused(self, engines):
+                return {**done, **self.p.transport.sync(trainer, engines, self.version)}
+        t0, version = time.perf_counter(), self.version
+        snap = streaming.Snapshot(trainer)
+
+        def push() -> dict[str, float]:
+            with self.engine_lock, streaming.paused(self, engines):
+                return self.p.transport.sync(snap, engines, version)
+        self._push = W.Calls([push]) if snap.weights else None
+        return {**done, "weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(snap.nbytes)}
+
+    def finish_push(self) -> dict[str, float]:
+        """Wait for the background push in flight, if any: its transport's own seconds."""
+        calls, self._push = self._push, None
+        return {"weight_push_seconds": calls.join()[0]["weight_sync_seconds"]} if calls else {}
 
     def share(self, obj: Any) -> Any:
         """``obj`` as rank 0 has it, on every trainer rank."""
@@ -357,7 +378,7 @@ class Loop:
         """Timing of the update just made, then a new weight version pushed to the engines."""
         m = {"train_seconds": time.perf_counter() - t_train}
         self.version += 1
-        m.update(self.sync())
+        m.update(self.sync(background=self.cfg.run.mode == "async" and self.p.algorithm.uses_rollout))
         return m
 
     def _check_finite(self, step: int, m: dict[str, Any]) -> None:
@@ -481,6 +502,7 @@ class Loop:
                     raise Interrupted(f"{signal.Signals(self.stop_signal or signal.SIGTERM).name} after "
                                       f"step {step}: checkpoint written; rerun the same command to resume "
                                       f"from {cfg.run.out_dir}", 128 + (self.stop_signal or signal.SIGTERM))
+            self.finish_push()  # the engines end on the last version
         finally:
             if self.streamer is not None:
                 self.streamer.close()

@@ -132,6 +132,24 @@ class Streamer:
                 continue
 
 
+class Snapshot:
+    """A trainer's weights copied at one version (the next optimizer step changes them in place),
+    as a transport reads a trainer. ``named_weights`` is a collective: every rank takes part, only
+    the sending rank keeps a copy."""
+
+    rank = 0
+
+    def __init__(self, trainer: Any):
+        from .weights import is_sender, nbytes
+
+        keep = is_sender(trainer)
+        self.weights = [(n, t.detach().clone()) for n, t in trainer.named_weights() if keep]
+        self.nbytes = sum(nbytes(t) for _, t in self.weights)
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.weights)
+
+
 def start(loop: Any) -> Streamer | None:
     """The streamer of an async run (rank 0, rollout algorithms), started; else None."""
     if loop.cfg.run.mode != "async" or not loop.main or not loop.p.algorithm.uses_rollout:

@@ -91,21 +91,30 @@ def buckets(named: Iterable[tuple[str, "torch.Tensor"]],
 
 def timed(named: Iterable[tuple[str, "torch.Tensor"]], spent: list[float]) -> Iterator[tuple[str, Any]]:
     """``named``, adding to ``spent[0]`` the seconds spent producing its tensors (e.g. gathering
-    FSDP shards; a CUDA tensor counts until it is ready, not just until its kernels are queued)."""
+    FSDP shards). CUDA work is queued, not done: see ``ready``."""
     import time
 
     it = iter(named)
     while True:
         t0 = time.perf_counter()
         item = next(it, None)
+        spent[0] += time.perf_counter() - t0
         if item is None:
             return
-        if item[1].is_cuda:
-            import torch
-
-            torch.cuda.current_stream(item[1].device).synchronize()
-        spent[0] += time.perf_counter() - t0
         yield item
+
+
+def ready(bucket: Sequence[tuple[str, "torch.Tensor"]], spent: list[float]) -> None:
+    """Wait until the CUDA kernels producing ``bucket``'s tensors are done, adding the wait to
+    ``spent[0]`` (with ``timed``: the full cost of producing the bucket)."""
+    import time
+
+    if bucket and bucket[0][1].is_cuda:
+        import torch
+
+        t0 = time.perf_counter()
+        torch.cuda.current_stream(bucket[0][1].device).synchronize()
+        spent[0] += time.perf_counter() - t0
 
 
 def align(n: int) -> int:

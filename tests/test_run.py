@@ -170,3 +170,25 @@ def test_minibatches_recompute_old_logprobs_and_move_the_ratio(cli, tmp_path):
     # the second optimizer step of a rollout batch sees a policy that already moved: ratio != 1
     assert all(abs(g["ppo_kl"]) > 0 for g in got)
     assert all(g["train_rollout_logprob_abs_diff"] >= 0 for g in got)
+
+
+def test_async_run_pushes_weights_in_the_background_and_ends_on_the_last_version(tmp_path):
+    """run.mode async: each step's push runs on a thread (the trainer only copies its weights),
+    every step logs staleness and version, and the engine ends with the trainer's last weights."""
+    from miles import make_plugin_manager
+    from miles import weights as W
+    from miles.config import apply_overrides, read_yaml, resolve
+    from miles.loop import Loop
+
+    pm = make_plugin_manager()
+    cfg = resolve(pm, apply_overrides(read_yaml(str(ROOT / TINY)), [
+        f"run.out_dir={tmp_path}", "run.mode=async", "run.steps=4", "run.warm_start=null",
+        "algorithm.filter_zero_variance=false"]))  # an untrained model: every step updates
+    loop = Loop(pm, cfg)
+    history = loop.run()
+    steps = [h for h in history if h["step"] > 0]
+    assert all("staleness_mean" in h and h["weight_version"] == h["step"] for h in steps)
+    assert any("weight_push_seconds" in h for h in steps)  # the previous step's push, joined
+    assert loop._push is None and loop.p.engine.weight_version == loop.version == 4
+    want = {n: W.checksum(t) for n, t in loop.p.trainer.named_weights()}
+    W.verify([loop.p.engine], want, loop.version)

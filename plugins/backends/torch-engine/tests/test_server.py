@@ -196,3 +196,29 @@ def test_scheduler_answers_queued_requests_as_aborted_on_stop(engine):
     out = run(main())
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["id"] == "x"
     assert engine.calls == []
+
+
+def test_accepted_connections_send_without_delay():
+    """asyncio sets TCP_NODELAY only on sockets accepted from an IPPROTO_TCP listener; without
+    it every answer written in two pieces waited ~40 ms for the client's delayed ACK."""
+    import socket
+
+    from miles_plugin_torch_engine.server import _bind
+
+    async def main() -> int:
+        seen: list[int] = []
+
+        async def handle(reader, writer):
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handle, sock=_bind("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        while not seen:
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        return seen[0]
+
+    assert asyncio.run(main()) != 0

@@ -50,6 +50,7 @@ class BroadcastTransport:
                     c0 = time.perf_counter()
                     self._connect(engines, bucket[0][1])
                     connect += time.perf_counter() - c0
+                W.ready(bucket, gather)
                 if self.cfg.verify:
                     want.update((n, W.checksum(t.to(self._wire_dtype(t)))) for n, t in bucket)
                 self._send(bucket, version)
