@@ -50,6 +50,8 @@ class _State:
         self.adopted: set[int] = set()  # ids of tensors whose storage is a trainer's segment
         self.recv: torch.Tensor | None = None  # reused receive buffer of packed broadcasts
         self.homes: dict[tuple, torch.Tensor] = {}  # packed bucket's names -> buffer its params live in
+        self.plans: dict[tuple, Any] = {}  # a bucket's (names, dtypes, shapes, pack_below) -> its plan
+        self.steady: dict[tuple, tuple] = {}  # same key -> (buffer, [(param, data_ptr)], copy views)
         self.ipc: dict[str, tuple[torch.Tensor, int]] = {}  # CUDA IPC handle -> (storage, last epoch)
         self.epoch = 0  # bumped whenever a tensor payload brings a new weight version
         self.last_version: Any = None
@@ -182,14 +184,24 @@ class WeightReceiver:
         return self._receive(group, dev, names, dtypes, shapes, weight_version, int(pack_below))
 
     def _receive(self, group, dev, names, dtypes, shapes, weight_version, pack_below: int) -> None:
-        plan = W.wire_plan(dtypes, shapes, pack_below)
+        # every sync sends the same buckets: their plans (and, below, their receive views) are
+        # kept, so a steady-state bucket costs no per-tensor Python work
+        key = (tuple(names), tuple(dtypes), tuple(map(tuple, shapes)), pack_below)
+        plan = self._ws.plans.get(key)
+        if plan is None:
+            plan = self._ws.plans[key] = W.wire_plan(dtypes, shapes, pack_below)
         into: list[torch.Tensor] = []  # receive buffers in wire order, all posted at once
         staged: list[tuple[str, torch.Tensor]] = []  # (name, tensor) to copy in once received
         home: list[tuple[str, torch.Tensor]] = []  # (name, view) to re-point at a new home
         if plan.packed:
-            packed = [names[i] for i in plan.packed]
-            buf, home, copy = self._packed_into(packed, [dtypes[i] for i in plan.packed],
-                                                [shapes[i] for i in plan.packed], plan, dev)
+            steady = self._ws.steady.get(key)
+            if steady is not None and all(p.data_ptr() == ptr for p, ptr in steady[1]):
+                buf, copy = steady[0], steady[2]
+            else:
+                steady = None
+                packed = [names[i] for i in plan.packed]
+                buf, home, copy = self._packed_into(packed, [dtypes[i] for i in plan.packed],
+                                                    [shapes[i] for i in plan.packed], plan, dev)
             into.append(buf)
             staged += copy
         for i in plan.direct:
@@ -205,6 +217,10 @@ class WeightReceiver:
         W.broadcast_all(group, into)
         for name, view in home:
             self._targets[name].data = view
+        if plan.packed and steady is None:
+            live = [*self._ws.homes.values(), self._ws.recv]  # entries of dropped homes go
+            self._ws.steady = {k: v for k, v in self._ws.steady.items() if any(v[0] is b for b in live)}
+            self._ws.steady[key] = (buf, self._living_in(packed, buf), copy)
         self._assign_all(staged)
         self._set_version(weight_version)
 
@@ -235,6 +251,13 @@ class WeightReceiver:
         got = list(zip(names, W.views(buf, dtypes, shapes, plan.offsets)))
         home = [g for g, good in zip(got, ok) if good and fresh]
         return buf, home, [g for g, good in zip(got, ok) if not good]
+
+    def _living_in(self, names: list[str], buf: torch.Tensor) -> list[tuple[Any, int]]:
+        """``(parameter, data_ptr)`` of the parameters among ``names`` that live in ``buf``:
+        while none has moved, the bucket's receive views (into ``buf``) stay valid."""
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+        params = [self._targets[n] for n in names if n in self._targets]
+        return [(p, p.data_ptr()) for p in params if lo <= p.data_ptr() < hi]
 
     def _param_device(self) -> torch.device:
         """The parameters' device with its index ("cuda:0", where the config may say "cuda")."""

@@ -34,6 +34,8 @@ class BroadcastTransport:
         self._send_buf = None
         self._broken = False
         self._waited = 0.0
+        self._plans: dict[tuple, tuple] = {}  # per bucket: wire dtypes, names, shapes, plan
+        self._views: dict[tuple, list] = {}  # per bucket and send buffer: its packed slots
 
     def sync(self, trainer: Any, engines: Sequence[Any], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -53,8 +55,7 @@ class BroadcastTransport:
                 W.ready(bucket, gather)
                 if self.cfg.verify:
                     want.update((n, W.checksum(t.to(self._wire_dtype(t)))) for n, t in bucket)
-                self._send(bucket, version)
-                nbytes += sum(t.numel() * self._wire_dtype(t).itemsize for _, t in bucket)
+                nbytes += self._send(bucket, version)
         except BaseException:
             self._broken = True  # its state is unknown after a failed broadcast: start afresh
             raise
@@ -88,19 +89,16 @@ class BroadcastTransport:
         self._members = _members(engines)
         self._broken = False
 
-    def _send(self, bucket: list, version: int) -> None:
+    def _send(self, bucket: list, version: int) -> int:
+        """Broadcast one bucket while the engines receive it; the bytes sent."""
         names = [n for n, _ in bucket]
-        tensors = [t.detach() for _, t in bucket]
+        tensors = [t for _, t in bucket]
         if self._backend == "gloo":
             tensors = [t.cpu() for t in tensors]
-        wire = [self._wire_dtype(t) for t in tensors]
-        dtypes = [W.dtype_name(d) for d in wire]
-        shapes = [list(t.shape) for t in tensors]
-        pack_below = self._pack_below()
-        plan = W.wire_plan(dtypes, shapes, pack_below)
+        wire, dtypes, shapes, plan, nbytes = self._plan(names, tensors)
         calls = W.Calls([lambda e=e: e.update_weights_from_distributed(
             names=names, dtypes=dtypes, shapes=shapes, group_name=self._name,
-            weight_version=version, pack_below=pack_below) for e in self._engines])
+            weight_version=version, pack_below=self._pack_below()) for e in self._engines])
         deadline = time.monotonic() + self.cfg.timeout_s
 
         def check() -> None:
@@ -109,15 +107,43 @@ class BroadcastTransport:
                 raise MilesError(f"weight sync: engines did not take part in a broadcast within "
                                  f"{self.cfg.timeout_s:.0f} s (sync.timeout_s)")
 
-        out = [tensors[i].to(wire[i]).contiguous() for i in plan.direct]
-        if plan.packed:
-            buf = self._buffer(plan.packed_bytes, tensors[0].device)
-            W.pack([tensors[i] for i in plan.packed], plan.offsets, buf, [wire[i] for i in plan.packed])
-            out.insert(0, buf)
+        import torch
+
+        with torch.no_grad():
+            out = [tensors[i].detach().to(wire[i]).contiguous() for i in plan.direct]
+            if plan.packed:
+                buf = self._buffer(plan.packed_bytes, tensors[0].device)
+                torch._foreach_copy_(self._slots(names, buf, plan, wire, shapes),
+                                     [tensors[i] for i in plan.packed])
+                out.insert(0, buf)
         W.broadcast_all(self._group, out, check=check)
         t0 = time.perf_counter()  # the bytes are in; the engines' calls still have to return
         calls.join(max(1.0, deadline - time.monotonic()))
         self._waited += time.perf_counter() - t0
+        return nbytes
+
+    def _plan(self, names: list[str], tensors: list) -> tuple[list, list[str], list, W.WirePlan, int]:
+        """Wire dtypes, their names, shapes, the wire plan and bytes of a bucket: the same buckets come
+        at every sync, so they are worked out once per bucket (no per-tensor work after that)."""
+        key = (tuple(names), tensors[0].dtype, tensors[-1].dtype, self._pack_below())
+        got = self._plans.get(key)
+        if got is None:
+            wire = [self._wire_dtype(t) for t in tensors]
+            dtypes = [W.dtype_name(d) for d in wire]
+            shapes = [list(t.shape) for t in tensors]
+            size = sum(t.numel() * d.itemsize for t, d in zip(tensors, wire))
+            got = self._plans[key] = (wire, dtypes, shapes, W.wire_plan(dtypes, shapes, self._pack_below()), size)
+        return got
+
+    def _slots(self, names: list[str], buf: Any, plan: W.WirePlan, wire: list, shapes: list) -> list:
+        """Typed views of the send buffer where the bucket's packed tensors go (kept per bucket
+        while the buffer stays the same)."""
+        key = (tuple(names), buf.data_ptr(), buf.numel())
+        slots = self._views.get(key)
+        if slots is None:
+            slots = self._views[key] = W.views(buf, [wire[i] for i in plan.packed],
+                                               [shapes[i] for i in plan.packed], plan.offsets)
+        return slots
 
     def _wire_dtype(self, t: Any) -> Any:
         """The dtype ``t`` travels as (``sync.dtype`` for floating-point tensors)."""
@@ -134,6 +160,7 @@ class BroadcastTransport:
         buf = self._send_buf
         if buf is None or buf.numel() < size or buf.device != device:
             buf = self._send_buf = torch.empty(size, dtype=torch.uint8, device=device)
+            self._views.clear()  # views of the old buffer
         return buf[:size]
 
     def close(self) -> None:

@@ -200,3 +200,22 @@ def test_nccl_broadcast_between_two_gpus():
             policy.step()
     finally:
         engine.close()
+
+
+def test_cached_receive_views_follow_parameters_moved_by_another_transport(engine_process):
+    """The engine keeps each bucket's receive views between syncs; once shared-memory adoption
+    has moved its parameters elsewhere, the next broadcast must still land every byte."""
+    from miles_plugin_tensor.config import TensorSyncConfig
+    from miles_plugin_tensor.transport import TensorTransport
+
+    policy = Policy(seed=3)
+    broadcast = BroadcastTransport(BroadcastSyncConfig(verify=True, timeout_s=60))
+    tensor = TensorTransport(TensorSyncConfig(verify=True))
+    try:
+        for version, transport in enumerate([broadcast, broadcast, tensor, broadcast, broadcast], 10):
+            policy.step()
+            transport.sync(policy, [engine_process], version)  # verify=true checks every tensor
+            assert engine_process.weight_version == version
+    finally:
+        broadcast.close()
+        tensor.close()
