@@ -206,7 +206,9 @@ def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
         except Exception as e:  # noqa: BLE001 - the engine rejected the batch
             return _error(f"generation failed: {type(e).__name__}: {e}", 500)
         out = format_outputs(req, body, tokenizer, started)
-        return out[0] if body.single and len(out) == 1 else out
+        # a JSONResponse is sent as is: FastAPI's jsonable_encoder would walk every log-prob
+        # first (~19 ms for 128 samples of 5 tokens, against ~2 ms for the JSON itself)
+        return JSONResponse(out[0] if body.single and len(out) == 1 else out)
 
 
 def _control_routes(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
