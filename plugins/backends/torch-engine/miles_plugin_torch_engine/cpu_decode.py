@@ -3,31 +3,33 @@ allows, and a scheduler whose per-step bookkeeping stays on the host.
 
 On CPU a decode step of a small model is the GEMMs, attention over the cache, and a few
 microseconds of dispatch per op whatever its size; HF's forward spends most of a step on the
-latter. So a layer here is about 20 calls, each in HF's own op order:
+latter. So a layer here is about 30 kernels, each in HF's own op order:
 
-- RMSNorm is one ``torch.rms_norm`` call (bit-identical to HF's float32 composite, checked once);
+- RMSNorm is HF's float32 composite as seven kernels (bit-identical, checked once per width);
   q|k|v and gate|up are one GEMM each on engine-owned concatenated weights (made at every
   ``generate``, since the weights may have been replaced); the residual adds happen inside the
   o/down GEMMs (``addmm``, bit-identical to the separate add here).
 - RoPE rotates q and k together (``x * cos + roll(x) * sin``, rotate_half's sign folded into sin).
 - When every row sits at the same position (prompts of one length) the cache writes are slice
   copies and attention needs no mask; otherwise indexed writes and one additive mask per step.
-  Attention is SDPA with the query heads of a KV head as its query rows (GQA without copies).
+- Decode attention is two batched GEMMs over (row, KV head) items, the query heads of a KV head
+  as that item's query rows (GQA without copies), with the softmax between them in the op order
+  of torch's CPU flash kernel (:func:`_attend`). Prefill keeps SDPA (one call per layer).
 - With a small vocabulary (character/byte tokenizers), layer 0's q|k|v of every token id is a
   table made once per ``generate``: that layer's first norm and GEMM become a row lookup.
 - The last prefill layer computes q, attention, o_proj and the MLP only at each prompt's last
-  token (the other tokens only feed that layer's keys/values).
+  token (the other tokens only feed that layer's keys/values); prefill runs in cache-sized
+  chunks of prompts.
 
-Faster formulations were measured and dropped because they moved log-probs further from HF's
-forward (which the trainer recomputes): RoPE as one complex multiply over reordered head dims
-(which also wrote keys straight into the cache), attention as one batched GEMM + softmax + GEMM
-per row against position-major keys with a block mask, or as SDPA over that block layout (one
-SDPA item per row instead of per KV head), and RMSNorm weights folded into the next GEMM were
-together ~10% faster per generation, but each raised the worst log-prob deviation on the tests'
-large-logit models from ~7e-6 (what the generic HF path and this path show) to 1.1-2.3e-5, past
-the 1e-5 the tests allow: other summation orders in q.k, and softmax's exp instead of SDPA's.
-As it is, greedy tokens equal the uncached reference and log-probs are as close to a full HF
-forward as the generic path's.
+Other formulations were measured and dropped. Slower: attention per row against all KV heads
+(block-diagonal queries over position-major keys, or spans of the cache with a block mask),
+which halves the GEMM items but multiplies their work by the KV heads; keys stored dim-major;
+MKL-packed weights. Further from HF's forward (which the trainer recomputes): RoPE as one
+complex multiply or ``addcmul`` (fused multiply-adds), ``torch.softmax`` before the GEMM with V
+(normalising before the sum instead of after, as the flash kernel does: the tests' worst
+log-prob deviation 8.6e-6 instead of 6.7e-6, against the 1e-5 they allow), and RMSNorm weights
+folded into the next GEMM. As it is, greedy tokens equal the uncached reference and log-probs
+stay within the tests' 1e-5 of a full HF forward (worst ~7e-6, as on the generic path).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from .fast import LlamaFamilyForward, _rope
 from .sampling import sample
 
 TABLE_ELEMENTS = 1 << 22  # layer 0's q|k|v is tabled per token id below this many table entries
+PREFILL_ELEMENTS = 1 << 19  # gate|up activations per prefill chunk (2 MiB in float32)
 
 
 def _linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -52,29 +55,58 @@ def _residual(h: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, bias: torch.Te
     return torch.addmm(h, x, wt) if bias is None else h + torch.addmm(bias, x, wt)
 
 
-def _rms_is_exact() -> bool:
-    """Whether ``torch.rms_norm`` equals HF's float32 RMSNorm op order bit for bit here."""
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(7, 96, generator=g) * 3, torch.randn(96, generator=g)
-    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-    return torch.equal(torch.rms_norm(x, (96,), w, 1e-6), ref)
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """Attention of one query position per row: ``q [B * KV, G, D]`` (the G query heads of each
+    KV head are that head's query rows: GQA without copies) over ``keys``/``values [B, KV, L, D]``
+    (cache views), with an additive ``mask [B, 1, 1, L]`` or None; returns ``[B * KV, G, D]``.
+
+    Two batched GEMMs with the softmax between them in the op order of torch's CPU flash kernel,
+    which HF's forward runs (scores scaled after q.k; ``exp(s - max)``; the output scaled by
+    ``1 / sum`` after the GEMM with V). SDPA itself, at one query position, runs a parallel loop
+    over (row, KV head) items of ~1-2 us each: no faster on one thread, and with two threads on
+    shared cores its per-item loop stalls (~4x these ops at 128 rows x 4 KV heads)."""
+    BKV, G, D = q.shape
+    L = keys.shape[2]
+    s = torch.bmm(q, keys.reshape(BKV, L, D).transpose(1, 2)).mul_(scale)
+    if mask is not None:
+        s.view(mask.shape[0], -1, G, L).add_(mask)
+    p = s.sub_(s.amax(-1, keepdim=True)).exp_()
+    return torch.bmm(p, values.reshape(BKV, L, D)).mul_(p.sum(-1, keepdim=True).reciprocal_())
+
+
+def _hf_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's float32 RMSNorm."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 class _Norm:
-    """An HF RMSNorm in HF's float32 op order: one ``torch.rms_norm`` call where that is
-    bit-identical (checked once), else HF's composite."""
+    """An HF RMSNorm in HF's float32 op order as seven kernels: ``x * x`` is ``pow(x, 2)``, the
+    mean is the sum divided by the width, and width and eps are 0-dim tensors made once (a Python
+    scalar costs a tensor conversion in every op; ``torch.rms_norm``'s CPU composite also copies
+    for dtypes: ~1.5x the time at decode sizes). Checked bit for bit against HF's composite once
+    per width, which is used instead should they ever differ."""
 
-    fused: bool | None = None
+    exact: dict[int, bool] = {}
 
     def __init__(self, norm: Any):
-        self.shape, self.weight, self.eps = (norm.weight.shape[-1],), norm.weight, norm.variance_epsilon
-        if _Norm.fused is None:
-            _Norm.fused = _rms_is_exact()
+        self.weight, self.eps_f = norm.weight, norm.variance_epsilon
+        width = self.weight.shape[-1]
+        self.width = torch.tensor(float(width), dtype=self.weight.dtype)
+        self.eps = torch.tensor(self.eps_f, dtype=self.weight.dtype)
+        if width not in _Norm.exact:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(7, width, generator=g, dtype=self.weight.dtype) * 3
+            _Norm.exact[width] = torch.equal(self._lean(x), _hf_rms(x, self.weight, self.eps_f))
+
+    def _lean(self, x: torch.Tensor) -> torch.Tensor:
+        inv = torch.mul(x, x).sum(-1, keepdim=True).div_(self.width).add_(self.eps).rsqrt_()
+        return torch.mul(x, inv).mul_(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if _Norm.fused:
-            return torch.rms_norm(x, self.shape, self.weight, self.eps)
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if _Norm.exact[self.weight.shape[-1]]:
+            return self._lean(x)
+        return _hf_rms(x, self.weight, self.eps_f)
 
 
 class _Layer:
@@ -168,20 +200,38 @@ class CpuForward:
                 v_new[li].copy_(heads.narrow(1, H + KV, KV))
             else:
                 f.k_cache[li][at], f.v_cache[li][at] = k, heads.narrow(1, H + KV, KV)
-            # the query heads sharing a KV head become that head's query rows (GQA without copies)
-            o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), keys[li], values[li],
-                                               attn_mask=mask, scale=f.scale)
-            h = lw.mlp(_residual(h, o.reshape(B, H * D), lw.wo, lw.bo))
+            o = _attend(q.reshape(B * KV, H // KV, D), keys[li], values[li], mask, f.scale)
+            h = lw.mlp(_residual(h, o.view(B, H * D), lw.wo, lw.bo))
         return torch.mm(self.norm(h), self.lm_head, out=out)
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
                 repeats: torch.Tensor) -> torch.Tensor:
         """``LlamaFamilyForward.prefill`` (right-padded prompts ``ids [P, T]``; prompt ``i``'s
         keys/values into ``repeats[i]`` consecutive rows of ``rows``, which the scheduler always
-        hands as one contiguous range); returns the last-token logits ``[P, V]``."""
+        hands as one contiguous range); returns the last-token logits ``[P, V]``.
+
+        Runs in chunks of prompts whose gate|up activations stay within ``PREFILL_ELEMENTS``
+        (cache-sized: 64 prompts of 32 tokens prefill ~15% faster as four chunks), each chunk
+        padded only to its own longest prompt."""
+        P, T = ids.shape
+        per = max(1, PREFILL_ELEMENTS // (T * self.layers[0].wgu.shape[1]))
+        if per >= P:
+            return self._prefill(ids, lengths, int(rows[0]), repeats)
+        ends = torch.cumsum(repeats, 0).tolist()
+        out = []
+        for a in range(0, P, per):
+            b = min(P, a + per)
+            width = int(lengths[a:b].max())
+            first = int(rows[0]) + (ends[a - 1] if a else 0)
+            out.append(self._prefill(ids[a:b, :width], lengths[a:b], first, repeats[a:b]))
+        return torch.cat(out)
+
+    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, first: int,
+                 repeats: torch.Tensor) -> torch.Tensor:
+        """``prefill`` of one chunk, its cache rows starting at ``first``."""
         f = self.fwd
         (P, T), H, KV, D = ids.shape, f.heads, f.kv_heads, f.head_dim
-        first, count = int(rows[0]), rows.shape[0]
+        count = int(repeats.sum())
         flat = ids.flatten()
         h = torch.embedding(self.embed, flat)  # [P * T, hidden]
         at, last, cos, sin = torch.arange(P), lengths - 1, f.cos[:T, None], f.sin[:T, None]

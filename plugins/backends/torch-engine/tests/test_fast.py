@@ -224,6 +224,20 @@ def test_cpu_steps_one_position_and_no_token_table(tok, monkeypatch, layers, tab
     assert_logprobs_exact(eng.model, prompts, groups)
 
 
+def test_cpu_prefill_in_chunks(tok, monkeypatch):
+    """Prompts prefilled in chunks (here one prompt each, padded to its own length) give the
+    same tokens as one prefill and log-probs as close to the full forward."""
+    from miles_plugin_torch_engine import cpu_decode
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    whole = make_engine(tok).generate(PROMPTS, params, n=2)
+    monkeypatch.setattr(cpu_decode, "PREFILL_ELEMENTS", 1)
+    eng = make_engine(tok)
+    groups = eng.generate(PROMPTS, params, n=2)
+    assert tokens(groups) == tokens(whole)
+    assert_logprobs_exact(eng.model, PROMPTS, groups)
+
+
 @pytest.mark.parametrize("arch,extra", [("Llama", dict(rope_theta=500000.0)),
                                         ("Qwen3", dict(head_dim=16)),  # q/k norms, wide heads
                                         ("Mistral", dict(sliding_window=None))])
