@@ -3,11 +3,14 @@ World size 1 is plain torch; more ranks shard every transformer block with FSDP2
 and checkpoint through torch.distributed.checkpoint (``checkpoint.py``).
 
 Log-probs are computed only over the response region (``logits_to_keep``), so the LM head never
-materialises logits for the prompt.
+materialises logits for the prompt; Llama-family models run them through ``fast.py`` (the same
+ops without the generic forward's copies). At world size 1 on CPU the cores split each batch
+between worker threads of one intra-op thread each (``workers.py``).
 """
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
 import math
@@ -18,6 +21,8 @@ import torch
 from miles import Batch, MilesError
 
 from . import dist as dist_
+from . import fast
+from . import workers
 from .config import FSDP2Config
 
 
@@ -35,12 +40,23 @@ def response_logprobs(model: torch.nn.Module, batch: Batch, shared: bool | None 
         shared = 2 * len(runs) <= len(batch)
     if batch.attention_mask.dim() != 2:  # a prepared 4-D mask (packed rows) has no prompt to share
         shared = False
-    logits = _shared_prompt_logits(model, batch, runs) if shared else _full_logits(model, batch)
+    if fast.usable(model, batch):  # Llama-family decoders: the same ops, fewer copies around them
+        logits = fast.response_logits(model, batch, runs if shared else [1] * len(batch))
+    elif shared:
+        logits = _shared_prompt_logits(model, batch, runs)
+    else:
+        logits = _full_logits(model, batch)
     if batch.temperature != 1.0:
         logits = logits / batch.temperature
     targets = batch.input_ids[:, batch.prompt_len:]
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def split_logprobs(model: torch.nn.Module, batch: Batch, k: int) -> torch.Tensor:
+    """``response_logprobs`` slice by slice on ``k`` CPU workers, as ``train_step`` computes them
+    at world size 1 on CPU (``workers.py``)."""
+    return workers.logprobs(lambda b: response_logprobs(model, b), batch, _runs(batch), k)
 
 
 def _full_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -140,6 +156,10 @@ class FSDP2Trainer:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _lr_lambda(cfg, total_steps))
+        cpu_single = self.device.type == "cpu" and not self.sharded
+        self.cpu_workers = (cfg.cpu_workers or torch.get_num_threads()) if cpu_single else 1
+        if self.cpu_workers > 1:  # what true on-policy engines score with: the same slices, bit for bit
+            self.response_logprobs = functools.partial(split_logprobs, k=self.cpu_workers)
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
@@ -211,7 +231,8 @@ class FSDP2Trainer:
             raise RuntimeError("reference log-probs requested before snapshot_reference()")
         if self.world_size == 1:
             size = self.cfg.micro_batch_size or len(batch)
-            out = torch.cat([response_logprobs(model, self._to(mb)).cpu() for mb in batch.split(size)])
+            out = torch.cat([split_logprobs(model, mb, self.cpu_workers) if self.cpu_workers > 1
+                             else response_logprobs(model, self._to(mb)).cpu() for mb in batch.split(size)])
             self.reshard()
             return out
         plan, counts = self._plan(batch)
@@ -227,12 +248,16 @@ class FSDP2Trainer:
         loss_sum = 0.0
         for mb, real, shared in self._plan(batch)[0]:
             mb = self._to(mb)
-            lp = response_logprobs(self.model, mb, shared)
-            if not real:
-                (lp * 0).sum().backward()  # joins the ranks' gradient reduce-scatter, adds nothing
-                continue
-            loss, metrics = loss_fn(mb, lp)
-            loss.backward()
+            if self.cpu_workers > 1:  # world size 1 on CPU: the cores split the rows
+                fn = lambda b: response_logprobs(self.model, b)  # noqa: E731
+                loss, metrics = workers.train(fn, self.model, mb, _runs(mb), self.cpu_workers, loss_fn)
+            else:
+                lp = response_logprobs(self.model, mb, shared)
+                if not real:
+                    (lp * 0).sum().backward()  # joins the ranks' gradient reduce-scatter, adds nothing
+                    continue
+                loss, metrics = loss_fn(mb, lp)
+                loss.backward()
             loss_sum += float(loss.detach())
             w = len(mb) / len(batch)  # row weight in the global batch: ranks' sums add up
             for k, v in metrics.items():
@@ -241,6 +266,12 @@ class FSDP2Trainer:
             # the key has a space so no loss_fn metric can collide with it
             totals = dist_.sum_metrics({**totals, " loss": loss_sum})
             loss_sum = totals.pop(" loss")
+        if self.cpu_workers > 1:  # one worker: a 2-thread OpenMP team stalls when a core is busy
+            return workers.pool(self.cpu_workers).submit(self._update, totals, loss_sum).result()
+        return self._update(totals, loss_sum)
+
+    def _update(self, totals: dict[str, float], loss_sum: float) -> dict[str, float]:
+        """Clip, then the optimizer and LR steps (skipped on a non-finite loss or gradient)."""
         norm = self._clip()
         totals.update(loss=loss_sum, grad_norm=norm, lr=self.sched.get_last_lr()[0])
         # a NaN/inf loss or gradient skips the update (the norm is global: every rank agrees);

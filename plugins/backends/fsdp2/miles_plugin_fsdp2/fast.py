@@ -1,0 +1,190 @@
+"""The trainer's log-prob forward for Llama-family decoders (Llama, Qwen2, Mistral): run straight
+from the Hugging Face module's weights, differentiably, over one flat ``[tokens, hidden]`` tensor.
+
+The same ops as the module's own forward, in the same order (the log-probs come out bit for bit
+equal to it on CPU), without what the generic path spends besides the matmuls: the KV-cache object
+and its per-layer copies, the ``repeat_kv`` copies of every key/value head and their backward sums,
+the slices, negation and concatenation of each rotary embedding, and a second forward call.
+
+Token layout: the prompt of each run of rows sharing it (``runs``), once (``G * P`` tokens), then
+every row's response inputs (``B * (R - 1)``). Norms, projections and the MLP see all tokens in
+one matmul each; attention splits them: prompts attend causally among themselves (left padding
+masked), responses attend to their run's prompt and causally to their own tokens.
+
+Anything else (other architectures, FSDP2-wrapped or LoRA-wrapped modules, Qwen3's q/k norms,
+sliding windows, dynamic RoPE, packed rows) is refused by :func:`usable` and runs the HF forward.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# exact class names: FSDP2's fully_shard swaps in an "FSDP..." subclass, whose hooks gather the
+# sharded weights this path would bypass
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _sub(module: torch.nn.Module, dotted: str) -> Any:
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def _is_rms(m: Any) -> bool:
+    return isinstance(m, torch.nn.Module) and hasattr(m, "weight") and hasattr(m, "variance_epsilon")
+
+
+def usable(model: torch.nn.Module, batch: Any) -> bool:
+    """Whether :func:`response_logits` computes what the module's own forward would."""
+    return batch.attention_mask.dim() == 2 and batch.prompt_len >= 1 and unsupported_reason(model) is None
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why this path cannot run ``model`` as its own forward would (None: it can)."""
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        return f"{name} is not one of {', '.join(SUPPORTED)}"
+    cfg, inner = model.config, getattr(model, "model", None)
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act={cfg.hidden_act!r} (only silu)"
+    if model.training and getattr(cfg, "attention_dropout", 0.0):
+        return "attention dropout"
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+        return "RoPE that changes with sequence length (dynamic/longrope) or no rotary_emb module"
+    window = getattr(cfg, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ["sliding_attention"])
+    if window is not None and sliding and window < cfg.max_position_embeddings:
+        return f"sliding-window attention (sliding_window={window})"
+    if type(model.lm_head) is not torch.nn.Linear or model.lm_head.bias is not None:
+        return "lm_head is not a plain bias-free nn.Linear"
+    if type(inner.embed_tokens) is not torch.nn.Embedding or not _is_rms(inner.norm):
+        return "embed_tokens / norm are not plain modules"
+    for i, layer in enumerate(inner.layers):
+        for lin in _LINEARS:  # e.g. peft's LoRA wrappers would be silently skipped otherwise
+            if type(_sub(layer, lin)) is not torch.nn.Linear:
+                return f"layers.{i}.{lin} is {type(_sub(layer, lin)).__name__}, not nn.Linear"
+        if not (_is_rms(layer.input_layernorm) and _is_rms(layer.post_attention_layernorm)):
+            return f"layers.{i} norms are not RMSNorm"
+        if hasattr(layer.self_attn, "q_norm"):
+            return "q/k norms (Qwen3)"
+    return None
+
+
+def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    # HF's op order (the casts are no-ops in fp32)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _lin(x: torch.Tensor, mod: torch.nn.Linear) -> torch.Tensor:
+    return F.linear(x, mod.weight, mod.bias)
+
+
+class _Plan:
+    """One batch's bookkeeping: the flat token layout, the RoPE tables and the attention masks."""
+
+    def __init__(self, model: torch.nn.Module, batch: Any, runs: list[int], rep: int):
+        ids, pos = batch.input_ids, batch.position_ids
+        self.P, L = batch.prompt_len, ids.shape[1]
+        self.B, self.G, self.R1 = ids.shape[0], len(runs), L - 1 - batch.prompt_len
+        P, n = self.P, runs[0]
+        if all(r == n for r in runs):
+            first, self.reps = slice(None, None, n), n  # each run's first row
+        else:
+            first = torch.tensor([0, *itertools.accumulate(runs)][:-1], device=ids.device)
+            self.reps = torch.tensor(runs, device=ids.device)
+        self.Tp = self.G * P
+        self.tokens = torch.cat([ids[first, :P].reshape(-1), ids[:, P:L - 1].reshape(-1)])
+        positions = torch.cat([pos[first, :P].reshape(-1), pos[:, P:L - 1].reshape(-1)])
+        # HF's own rotary module makes the table, so rope_theta / scaling types are taken as they are
+        cos, sin = model.model.rotary_emb(model.lm_head.weight[:1], positions[None])
+        half = cos.shape[-1] // 2
+        self.cos = cos[0, :, None]  # [T, 1, D]
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
+        self._masks(batch.attention_mask[first, :P].bool(), batch.attention_mask[:, P:L - 1].bool(), rep)
+
+    def _masks(self, prompt_ok: torch.Tensor, resp_ok: torch.Tensor, rep: int) -> None:
+        """Boolean masks (True: attend) from the padding of the prompts ``prompt_ok [G, P]`` and of
+        the response inputs ``resp_ok [B, R1]``, as the HF forward masks keys."""
+        P, R1, dev = self.P, self.R1, prompt_ok.device
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        eye = torch.eye(P, dtype=torch.bool, device=dev)  # a pad query sees itself: no all-masked row
+        # None: no padding, plain causal (HF's choice too, so the roundings agree)
+        self.prompt_mask = None if bool(prompt_ok.all()) else ((causal & prompt_ok[:, None, :]) | eye)[:, None]
+        own = torch.ones(R1, R1, dtype=torch.bool, device=dev).tril()
+        if bool(prompt_ok.all()) and bool(resp_ok.all()):
+            mask = torch.cat([torch.ones(R1, P, dtype=torch.bool, device=dev), own], 1)  # [R1, P + R1]
+        else:  # [B, 1, R1, P + R1]; padding keys matter only to padding queries, but as in HF
+            keys = torch.cat([self.expand(prompt_ok), resp_ok], 1)[:, None, :]
+            mask = (keys & torch.cat([torch.ones(R1, P, dtype=torch.bool, device=dev), own], 1))[:, None]
+        # the query rows of the ``rep`` heads sharing a KV head follow one another (see _attention)
+        self.resp_mask = mask.repeat(*([1] * (mask.dim() - 2)), rep, 1)
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-run rows ``[G, ...]`` -> per-sample rows ``[B, ...]``."""
+        return x.repeat_interleave(self.reps, dim=0)
+
+
+def _attention(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[T, heads * D]`` attention output of every token from rotated ``q [T, heads, D]``,
+    ``k`` and ``v [T, kv_heads, D]``."""
+    G, B, P, R1, Tp = plan.G, plan.B, plan.P, plan.R1, plan.Tp
+    heads, kv_heads, D = q.shape[1], k.shape[1], q.shape[2]
+    rep = heads // kv_heads
+    kp = k[:Tp].view(G, P, kv_heads, D).transpose(1, 2)
+    vp = v[:Tp].view(G, P, kv_heads, D).transpose(1, 2)
+    qp = q[:Tp].view(G, P, heads, D).transpose(1, 2)
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=plan.prompt_mask, scale=scale,
+                                        is_causal=plan.prompt_mask is None, enable_gqa=rep > 1)
+    op = op.transpose(1, 2).reshape(Tp, heads * D)
+    if R1 == 0:
+        return op
+    keys = torch.cat([plan.expand(kp), k[Tp:].view(B, R1, kv_heads, D).transpose(1, 2)], dim=2)
+    values = torch.cat([plan.expand(vp), v[Tp:].view(B, R1, kv_heads, D).transpose(1, 2)], dim=2)
+    # the query heads sharing a KV head become that head's query rows (GQA without copies)
+    qr = q[Tp:].view(B, R1, heads, D).transpose(1, 2).reshape(B, kv_heads, rep * R1, D)
+    orr = F.scaled_dot_product_attention(qr, keys, values, attn_mask=plan.resp_mask, scale=scale)
+    return torch.cat([op, orr.view(B, heads, R1, D).transpose(1, 2).reshape(B * R1, heads * D)])
+
+
+def _layer(plan: _Plan, layer: Any, x: torch.Tensor, heads: int, kv_heads: int, D: int,
+           scale: float) -> torch.Tensor:
+    T, sa, mlp = x.shape[0], layer.self_attn, layer.mlp
+    h = _rms(x, layer.input_layernorm)
+    q, k, v = _lin(h, sa.q_proj), _lin(h, sa.k_proj), _lin(h, sa.v_proj)
+    # HF's x * cos + rotate_half(x) * sin, the sign of rotate_half folded into the sin table
+    # (-a * s == a * -s exactly): one roll instead of two slices, a negation and a cat
+    q, k = ((t.view(T, -1, D) * plan.cos + torch.roll(t.view(T, -1, D), D // 2, dims=-1) * plan.sin)
+            for t in (q, k))
+    x = x + _lin(_attention(plan, q, k, v.view(T, kv_heads, D), scale), sa.o_proj)
+    h = _rms(x, layer.post_attention_layernorm)
+    return x + _lin(F.silu(_lin(h, mlp.gate_proj)) * _lin(h, mlp.up_proj), mlp.down_proj)
+
+
+def response_logits(model: torch.nn.Module, batch: Any, runs: list[int]) -> torch.Tensor:
+    """``[B, R, V]`` logits predicting each response token; ``runs``: lengths of the runs of
+    consecutive rows sharing a prompt (all 1: every row runs its own prompt)."""
+    inner, cfg = model.model, model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    attn0 = inner.layers[0].self_attn
+    D = attn0.q_proj.out_features // heads
+    plan = _Plan(model, batch, runs, heads // kv_heads)
+    x = inner.embed_tokens(plan.tokens)
+    for layer in inner.layers:
+        x = _layer(plan, layer, x, heads, kv_heads, D, getattr(layer.self_attn, "scaling", D ** -0.5))
+    P, Tp, w = plan.P, plan.Tp, model.lm_head.weight
+    # two matmuls, as the HF path makes them (one over all rows rounds the first token differently)
+    first = F.linear(_rms(x[P - 1:Tp:P], inner.norm), w).float()  # each run's last prompt token
+    first = plan.expand(first)[:, None]  # predicts response token 0
+    if plan.R1 == 0:
+        return first
+    rest = F.linear(_rms(x[Tp:], inner.norm), w).float().view(plan.B, plan.R1, -1)
+    return torch.cat([first, rest], dim=1)
