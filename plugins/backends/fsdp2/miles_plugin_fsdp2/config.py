@@ -27,9 +27,10 @@ class FSDP2Config(BaseModel):
                                          "rank (gradient accumulation); null = a rank's whole share "
                                          "at once")
     cpu_workers: int | None = Field(None, ge=1, description="world size 1 on CPU: threads that each "
-                                    "run a slice of every batch with one intra-op thread (data "
-                                    "parallelism over the cores of one process); null = torch's "
-                                    "intra-op thread count (run.threads); 1 = off")
+                                    "run a slice of every batch (data parallelism over the cores of "
+                                    "one process), each with run.threads / cpu_workers intra-op "
+                                    "threads; null = min(run.threads, 8); 1 = off (every op on all "
+                                    "threads)")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up, in optimizer steps")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed LR, as a fraction of lr")

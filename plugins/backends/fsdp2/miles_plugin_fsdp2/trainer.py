@@ -53,10 +53,10 @@ def response_logprobs(model: torch.nn.Module, batch: Batch, shared: bool | None 
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def split_logprobs(model: torch.nn.Module, batch: Batch, k: int) -> torch.Tensor:
-    """``response_logprobs`` slice by slice on ``k`` CPU workers, as ``train_step`` computes them
-    at world size 1 on CPU (``workers.py``)."""
-    return workers.logprobs(lambda b: response_logprobs(model, b), batch, _runs(batch), k)
+def split_logprobs(model: torch.nn.Module, batch: Batch, w: workers.Workers) -> torch.Tensor:
+    """``response_logprobs`` slice by slice on CPU workers, as ``train_step`` computes them at
+    world size 1 on CPU (``workers.py``)."""
+    return workers.logprobs(lambda b: response_logprobs(model, b), batch, _runs(batch), w)
 
 
 def _full_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -156,10 +156,17 @@ class FSDP2Trainer:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _lr_lambda(cfg, total_steps))
-        cpu_single = self.device.type == "cpu" and not self.sharded
-        self.cpu_workers = (cfg.cpu_workers or torch.get_num_threads()) if cpu_single else 1
-        if self.cpu_workers > 1:  # what true on-policy engines score with: the same slices, bit for bit
-            self.response_logprobs = functools.partial(split_logprobs, k=self.cpu_workers)
+        self.workers = self._workers()
+        if self.workers is not None:  # what true on-policy engines score with: the same slices, bit for bit
+            self.response_logprobs = functools.partial(split_logprobs, w=self.workers)
+
+    def _workers(self) -> workers.Workers | None:
+        """World size 1 on CPU with several intra-op threads: worker threads split the rows."""
+        threads = torch.get_num_threads()
+        k = self.cfg.cpu_workers or min(threads, 8)
+        if self.device.type != "cpu" or self.sharded or k < 2:
+            return None
+        return workers.Workers(k, max(1, threads // k))
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
@@ -231,7 +238,7 @@ class FSDP2Trainer:
             raise RuntimeError("reference log-probs requested before snapshot_reference()")
         if self.world_size == 1:
             size = self.cfg.micro_batch_size or len(batch)
-            out = torch.cat([split_logprobs(model, mb, self.cpu_workers) if self.cpu_workers > 1
+            out = torch.cat([split_logprobs(model, mb, self.workers) if self.workers is not None
                              else response_logprobs(model, self._to(mb)).cpu() for mb in batch.split(size)])
             self.reshard()
             return out
@@ -248,9 +255,9 @@ class FSDP2Trainer:
         loss_sum = 0.0
         for mb, real, shared in self._plan(batch)[0]:
             mb = self._to(mb)
-            if self.cpu_workers > 1:  # world size 1 on CPU: the cores split the rows
+            if self.workers is not None:  # world size 1 on CPU: the cores split the rows
                 fn = lambda b: response_logprobs(self.model, b)  # noqa: E731
-                loss, metrics = workers.train(fn, self.model, mb, _runs(mb), self.cpu_workers, loss_fn)
+                loss, metrics = workers.train(fn, self.model, mb, _runs(mb), self.workers, loss_fn)
             else:
                 lp = response_logprobs(self.model, mb, shared)
                 if not real:
@@ -266,8 +273,8 @@ class FSDP2Trainer:
             # the key has a space so no loss_fn metric can collide with it
             totals = dist_.sum_metrics({**totals, " loss": loss_sum})
             loss_sum = totals.pop(" loss")
-        if self.cpu_workers > 1:  # one worker: a 2-thread OpenMP team stalls when a core is busy
-            return workers.pool(self.cpu_workers).submit(self._update, totals, loss_sum).result()
+        if self.workers is not None:  # on a worker too: an OpenMP team stalls when a core is busy
+            return self.workers.run(self._update, totals, loss_sum)
         return self._update(totals, loss_sum)
 
     def _update(self, totals: dict[str, float], loss_sum: float) -> dict[str, float]:

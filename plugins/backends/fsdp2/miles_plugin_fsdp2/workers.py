@@ -1,9 +1,11 @@
 """Data parallelism over the CPU cores of one process (world size 1 on CPU).
 
 Each of ``k`` worker threads runs its slice of the batch (whole runs of rows sharing a prompt)
-with one intra-op thread, instead of every op being split over ``k`` OpenMP threads. The small
-tensors of a small model make each op's fork/join a visible cost, and OpenMP teams stall badly
-whenever another process takes a core for a moment; single-threaded workers just slow down.
+with one intra-op thread (or a few, on many cores), instead of every op being split over all
+OpenMP threads: the matmuls of a small model scale poorly over threads (on a 2-core machine MKL
+gets 1.2-1.3x from 2 threads for these shapes, two independent slices nearly 2x), and an OpenMP
+team stalls badly whenever another process takes one of its cores, where a single-threaded worker
+just slows down.
 
 The loss is computed once, on the whole batch, on the calling thread (so its metrics and value are
 exactly the single-pass ones); only its gradient with respect to the log-probs goes back to the
@@ -13,6 +15,7 @@ fixed order, so a step is deterministic.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -21,20 +24,38 @@ import torch
 
 from miles import Batch
 
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _lock = threading.Lock()
+os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the threads
 
 
-def pool(k: int) -> ThreadPoolExecutor:
-    """``k`` threads with one intra-op thread each (thread-local: the caller keeps its own count)."""
+def _pool(k: int, threads: int) -> ThreadPoolExecutor:
+    """``k`` threads with ``threads`` intra-op threads each (a thread-local setting: the caller
+    keeps its own count), shared by every trainer of the process."""
     with _lock:
-        if k not in _pools:
+        if (k, threads) not in _pools:
             prev = torch.get_num_threads()
-            _pools[k] = ThreadPoolExecutor(k, thread_name_prefix="miles-cpu-worker",
-                                           initializer=torch.set_num_threads, initargs=(1,))
-            list(_pools[k].map(lambda _: torch.get_num_threads(), range(k)))  # start them all now
+            pool = ThreadPoolExecutor(k, thread_name_prefix="miles-cpu-worker",
+                                      initializer=torch.set_num_threads, initargs=(threads,))
+            list(pool.map(lambda _: torch.get_num_threads(), range(k)))  # start them all now
             torch.set_num_threads(prev)  # the initializer also set the default of threads to come
-        return _pools[k]
+            _pools[k, threads] = pool
+        return _pools[k, threads]
+
+
+class Workers:
+    """``k`` worker threads of ``threads`` intra-op threads each."""
+
+    def __init__(self, k: int, threads: int = 1):
+        self.k, self.threads = k, threads
+        self.pool = _pool(k, threads)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on one worker."""
+        return self.pool.submit(fn, *args).result()
+
+    def map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        return list(self.pool.map(fn, items))
 
 
 def chunks(runs: list[int], k: int) -> list[tuple[int, int]]:
@@ -60,26 +81,26 @@ def _rows(batch: Batch, a: int, b: int) -> Batch:
     return batch if (a, b) == (0, len(batch)) else batch.select(list(range(a, b)))
 
 
-def logprobs(fn: Callable[[Batch], torch.Tensor], batch: Batch, runs: list[int], k: int) -> torch.Tensor:
+def logprobs(fn: Callable[[Batch], torch.Tensor], batch: Batch, runs: list[int], w: Workers) -> torch.Tensor:
     """``fn(batch)`` computed slice by slice on the workers, rows in order, in the caller's grad and
     inference modes (both thread-local)."""
-    parts = [_rows(batch, a, b) for a, b in chunks(runs, k)]
+    parts = [_rows(batch, a, b) for a, b in chunks(runs, w.k)]
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def run(part: Batch) -> torch.Tensor:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return fn(part)
 
-    return torch.cat(list(pool(k).map(run, parts)))
+    return torch.cat(w.map(run, parts))
 
 
 def train(fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module, batch: Batch, runs: list[int],
-          k: int, loss_fn: Callable[[Batch, torch.Tensor], Any]) -> Any:
+          w: Workers, loss_fn: Callable[[Batch, torch.Tensor], Any]) -> Any:
     """Forward on the workers, ``loss_fn(batch, logprobs)`` here, backward on the workers; the
     parameters' ``.grad`` accumulate the gradient as ``loss.backward()`` would. Returns what
     ``loss_fn`` returned."""
-    bounds = chunks(runs, k)
-    lps = list(pool(k).map(lambda ab: fn(_rows(batch, *ab)), bounds))
+    bounds = chunks(runs, w.k)
+    lps = w.map(lambda ab: fn(_rows(batch, *ab)), bounds)
     lp = torch.cat([x.detach() for x in lps]).requires_grad_()
     out = loss_fn(batch, lp)
     (g,) = torch.autograd.grad(out[0], lp, allow_unused=True)
@@ -91,7 +112,7 @@ def train(fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module, batch: Ba
         a, b = bounds[i]
         return torch.autograd.grad(lps[i], params, g[a:b], allow_unused=True)
 
-    grads = list(pool(k).map(backward, range(len(bounds))))
+    grads = w.map(backward, list(range(len(bounds))))
 
     def accumulate(share: list[int]) -> None:  # the workers sum the slices' gradients too
         with torch.no_grad():
@@ -108,7 +129,7 @@ def train(fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module, batch: Ba
                 else:
                     p.grad += total
 
-    list(pool(k).map(accumulate, _shares([p.numel() for p in params], k)))
+    w.map(accumulate, _shares([p.numel() for p in params], w.k))
     return out
 
 
