@@ -58,8 +58,9 @@ def _residual(h: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, bias: torch.Te
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> torch.Tensor:
     """Attention of one query position per row: ``q [B * KV, G, D]`` (the G query heads of each
-    KV head are that head's query rows: GQA without copies) over ``keys``/``values [B, KV, L, D]``
-    (cache views), with an additive ``mask [B, 1, 1, L]`` or None; returns ``[B * KV, G, D]``.
+    KV head are that head's query rows: GQA without repeating keys) over ``keys``/``values
+    [B, KV, L, D]`` (cache views), with an additive ``mask [B, 1, 1, L]`` or None; returns
+    ``[B * KV, G, D]``.
 
     Two batched GEMMs with the softmax between them in the op order of torch's CPU flash kernel,
     which HF's forward runs (scores scaled after q.k; ``exp(s - max)``; the output scaled by
@@ -188,7 +189,7 @@ class CpuForward:
         else:
             cos, sin = f.cos[pos].unsqueeze(1), f.sin[pos].unsqueeze(1)
             at = (torch.arange(B), slice(None), pos)
-            # additive, made once per step (SDPA would convert a boolean mask in every layer)
+            # additive, made once per step and added to every layer's scores
             mask = torch.zeros(B, 1, 1, length).masked_fill_(torch.arange(length) > pos.view(B, 1, 1, 1),
                                                              float("-inf"))
         h = torch.embedding(self.embed, tok)
