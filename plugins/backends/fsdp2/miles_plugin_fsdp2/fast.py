@@ -40,8 +40,11 @@ def _is_rms(m: Any) -> bool:
 
 
 def usable(model: torch.nn.Module, batch: Any) -> bool:
-    """Whether :func:`response_logits` computes what the module's own forward would."""
-    return batch.attention_mask.dim() == 2 and batch.prompt_len >= 1 and unsupported_reason(model) is None
+    """Whether :func:`response_logits` computes what the module's own forward would. CPU only:
+    it was built and checked against the HF path there; on GPU the HF path keeps its fused
+    attention kernels and mixed-precision casts."""
+    return (not batch.input_ids.is_cuda and batch.attention_mask.dim() == 2 and batch.prompt_len >= 1
+            and unsupported_reason(model) is None)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
