@@ -21,24 +21,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from miles.builtin import llama_layout_problem
 
 # exact class names: FSDP2's fully_shard swaps in an "FSDP..." subclass, whose hooks gather the
 # sharded weights this path would bypass
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-def _sub(module: torch.nn.Module, dotted: str) -> Any:
-    for part in dotted.split("."):
-        module = getattr(module, part, None)
-    return module
-
-
-def _is_rms(m: Any) -> bool:
-    return isinstance(m, torch.nn.Module) and hasattr(m, "weight") and hasattr(m, "variance_epsilon")
-
-
 def usable(model: torch.nn.Module, batch: Any) -> bool:
     """Whether :func:`response_logits` computes what the module's own forward would. CPU only:
     it was built and checked against the HF path there; on GPU the HF path keeps its fused
@@ -49,34 +36,11 @@ def usable(model: torch.nn.Module, batch: Any) -> bool:
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why this path cannot run ``model`` as its own forward would (None: it can)."""
-    name = type(model).__name__
-    if name not in SUPPORTED:
-        return f"{name} is not one of {', '.join(SUPPORTED)}"
-    cfg, inner = model.config, getattr(model, "model", None)
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act={cfg.hidden_act!r} (only silu)"
-    if model.training and getattr(cfg, "attention_dropout", 0.0):
+    if model.training and getattr(model.config, "attention_dropout", 0.0):
         return "attention dropout"
-    rotary = getattr(inner, "rotary_emb", None)
-    if rotary is None or getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
-        return "RoPE that changes with sequence length (dynamic/longrope) or no rotary_emb module"
-    window = getattr(cfg, "sliding_window", None)
-    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ["sliding_attention"])
-    if window is not None and sliding and window < cfg.max_position_embeddings:
-        return f"sliding-window attention (sliding_window={window})"
-    if type(model.lm_head) is not torch.nn.Linear or model.lm_head.bias is not None:
-        return "lm_head is not a plain bias-free nn.Linear"
-    if type(inner.embed_tokens) is not torch.nn.Embedding or not _is_rms(inner.norm):
-        return "embed_tokens / norm are not plain modules"
-    for i, layer in enumerate(inner.layers):
-        for lin in _LINEARS:  # e.g. peft's LoRA wrappers would be silently skipped otherwise
-            if type(_sub(layer, lin)) is not torch.nn.Linear:
-                return f"layers.{i}.{lin} is {type(_sub(layer, lin)).__name__}, not nn.Linear"
-        if not (_is_rms(layer.input_layernorm) and _is_rms(layer.post_attention_layernorm)):
-            return f"layers.{i} norms are not RMSNorm"
-        if hasattr(layer.self_attn, "q_norm"):
-            return "q/k norms (Qwen3)"
-    return None
+    if any(hasattr(layer.self_attn, "q_norm") for layer in getattr(getattr(model, "model", None), "layers", [])):
+        return "q/k norms (Qwen3)"
+    return llama_layout_problem(model, SUPPORTED)
 
 
 def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
