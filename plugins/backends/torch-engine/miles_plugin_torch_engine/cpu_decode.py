@@ -38,12 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_workers
 from .batching import FastGenerator
 from .fast import LlamaFamilyForward, _rope
 from .sampling import sample
 
 TABLE_ELEMENTS = 1 << 22  # layer 0's q|k|v is tabled per token id below this many table entries
 PREFILL_ELEMENTS = 1 << 19  # gate|up activations per prefill chunk (2 MiB in float32)
+MIN_SLICE_ROWS = 8  # fewer rows per worker than this: the step runs on the calling thread
 
 
 def _linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -175,20 +177,20 @@ class CpuForward:
         return _rope(x if lw.qk_norms is None else lw.qk_norms[which](x), cos, sin)
 
     def decode(self, tok: torch.Tensor, pos: torch.Tensor | None, length: int, same_pos: int | None,
-               out: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` (into ``out``) of one token per cache row ``0..B-1``, fed at
+               out: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Logits ``[B, V]`` (into ``out``) of one token per cache row ``first..first+B-1``, fed at
         ``same_pos`` (a host int: every row there) or else at ``pos [B]``; attends to cache
         positions ``< length`` (and, with ``pos``, ``<= pos``)."""
         f = self.fwd
         B, H, KV, D = tok.shape[0], f.heads, f.kv_heads, f.head_dim
-        ks, vs = f.k_cache.narrow(1, 0, B), f.v_cache.narrow(1, 0, B)  # [layers, B, KV, positions, D]
+        ks, vs = f.k_cache.narrow(1, first, B), f.v_cache.narrow(1, first, B)  # [layers, B, KV, positions, D]
         keys, values = ks.narrow(3, 0, length).unbind(0), vs.narrow(3, 0, length).unbind(0)
         if same_pos is not None:
             cos, sin, mask = f.cos[same_pos], f.sin[same_pos], None
             k_new, v_new = ks.select(3, same_pos).unbind(0), vs.select(3, same_pos).unbind(0)
         else:
             cos, sin = f.cos[pos].unsqueeze(1), f.sin[pos].unsqueeze(1)
-            at = (torch.arange(B), slice(None), pos)
+            at = (torch.arange(first, first + B), slice(None), pos)
             # additive, made once per step and added to every layer's scores
             mask = torch.zeros(B, 1, 1, length).masked_fill_(torch.arange(length) > pos.view(B, 1, 1, 1),
                                                              float("-inf"))
@@ -274,9 +276,9 @@ class CpuFastGenerator(FastGenerator):
     def __init__(self, cfg: Any, model: torch.nn.Module):
         super().__init__(cfg, model)
         self.cpu = CpuForward(self.fwd)
-        self.prefill = self.cpu.prefill
+        self.prefill = self._prefill
         self.sync_every = 1 << 62  # the done flags are read when ``_hit`` says a stop was sampled
-        self._hit, self._layout = False, None
+        self._hit, self._layout, self.workers, self.k = False, None, None, 1  # see ``generate``
 
     def _refresh(self) -> None:
         """The CPU steps' own weight copies (not fast.py's), and the runner's row buffers (no
@@ -289,6 +291,24 @@ class CpuFastGenerator(FastGenerator):
             run.pos = torch.zeros(f.slots, dtype=torch.long)
             run.logits = torch.empty((f.slots, vocab), dtype=f.dtype)
         self._hit, self._layout = False, None
+
+    def generate(self, *args: Any, **kwargs: Any) -> list:
+        """``FastGenerator.generate``; with ``k`` > 1 workers (``engine.cpu_workers``, else torch's
+        intra-op thread count) it runs on a driver thread of one intra-op thread, which computes
+        the first slice of every step while ``k - 1`` workers compute the others: the caller's
+        OpenMP team is never woken (its threads spin for milliseconds after every parallel op,
+        taking the cores the workers need)."""
+        self.k = self.cfg.cpu_workers or torch.get_num_threads()
+        if self.k <= 1:
+            self.workers = None
+            return super().generate(*args, **kwargs)
+        self.workers = cpu_workers.pool(self.k - 1)
+
+        def drive() -> list:
+            with torch.inference_mode():
+                return FastGenerator.generate(self, *args, **kwargs)
+
+        return cpu_workers.pool(1, "driver").submit(drive).result()
 
     def _admit(self, queue, prompts, live: int, t: int) -> int:
         joined = super()._admit(queue, prompts, live, t)
@@ -320,12 +340,49 @@ class CpuFastGenerator(FastGenerator):
             self._layout = (offset, int(offset.min()), int(offset.max()), start, start.min() == start.max())
         return self._layout
 
+    def _on_workers(self, fn, parts: list[tuple[int, int]]) -> list:
+        """``fn(a, b)`` for each part: the first here (the driver), the others on the workers, in
+        inference mode (thread-local)."""
+        def run(a: int, b: int):
+            with torch.inference_mode():
+                return fn(a, b)
+
+        jobs = [self.workers.submit(run, a, b) for a, b in parts[1:]]
+        return [fn(*parts[0]), *(job.result() for job in jobs)]
+
+    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                 repeats: torch.Tensor) -> torch.Tensor:
+        """``CpuForward.prefill``, the prompts split among the workers (each share's rows are one
+        contiguous range, as the scheduler hands them)."""
+        P = ids.shape[0]
+        if self.workers is None or P < self.k:
+            return self.cpu.prefill(ids, lengths, rows, repeats)
+        ends = [0, *torch.cumsum(repeats, 0).tolist()]
+
+        def part(a: int, b: int) -> torch.Tensor:
+            width = int(lengths[a:b].max())
+            return self.cpu.prefill(ids[a:b, :width], lengths[a:b], rows[ends[a]:ends[b]], repeats[a:b])
+
+        return torch.cat(self._on_workers(part, cpu_workers.slices(P, self.k)))
+
+    def _step(self, live: int, pos: torch.Tensor | None, length: int, same: int | None,
+              logits: torch.Tensor) -> None:
+        """The decode step's logits into ``logits``, with workers a slice of the rows per thread
+        (sampling stays on this thread, so the random stream is the same whatever the split)."""
+        tok = self.runner.tok
+        if self.workers is None or live < MIN_SLICE_ROWS * self.k:
+            self.cpu.decode(tok[:live], pos, length, same, logits)
+            return
+        self._on_workers(lambda a, b: self.cpu.decode(tok[a:b], None if pos is None else pos[a:b], length,
+                                                      same, logits[a:b], a), cpu_workers.slices(live, self.k))
+
     def _decode(self, live: int, t: int) -> None:
         r = self.rows
         offset, lo, hi, start, one_start = self._rows_layout(live)
         same = lo + t if lo == hi else None
         pos = None if lo == hi else torch.from_numpy(offset + t)
-        logits = self.cpu.decode(self.runner.tok[:live], pos, hi + t + 1, same, self.runner.logits[:live])
+        logits = self.runner.logits[:live]
+        self._step(live, pos, hi + t + 1, same, logits)
         tok, lp = sample(logits, self.params, self.gen)
         if one_start:  # one column for all rows: plain slice writes
             col = t + 1 - int(start[0])

@@ -238,6 +238,22 @@ def test_cpu_prefill_in_chunks(tok, monkeypatch):
     assert_logprobs_exact(eng.model, PROMPTS, groups)
 
 
+def test_cpu_workers(tok):
+    """Decode steps and prefill split among 2 single-threaded worker threads: the same tokens as
+    one thread (greedy: the uncached reference), log-probs as close to the full forward, while
+    rows stop, leave and join at different positions."""
+    stop = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[28, 42])
+    sampled = SamplingParams(max_new_tokens=6, seed=2)
+    one, two = make_engine(tok, max_batch_size=40), make_engine(tok, max_batch_size=40, cpu_workers=2)
+    for params in (stop, sampled):
+        groups = two.generate(PROMPTS, params, n=8)
+        assert two._fast.workers is not None and (params is sampled or two._fast.stats["joined_mid_decode"])
+        assert tokens(groups) == tokens(one.generate(PROMPTS, params, n=8))
+        assert_logprobs_exact(two.model, PROMPTS, groups, params.temperature or 1.0)
+    for prompt, g in zip(PROMPTS, two.generate(PROMPTS, stop, n=8)):
+        assert all(c.token_ids == greedy_reference(two.model, prompt, 8, {28, 42, tok.eos_token_id}) for c in g)
+
+
 @pytest.mark.parametrize("arch,extra", [("Llama", dict(rope_theta=500000.0)),
                                         ("Qwen3", dict(head_dim=16)),  # q/k norms, wide heads
                                         ("Mistral", dict(sliding_window=None))])
