@@ -3,11 +3,12 @@ that runs ``generate`` and the first row slice of every step, and ``k - 1`` work
 
 A decode step of a small model is a few dozen ops per layer; with two intra-op threads each one
 is an OpenMP fork/join, and at these shapes the GEMMs gain only ~1.3-1.7x from the second thread.
-Two threads that each run the whole step on half of the rows meet once per step: on two free
-cores a 16 x 8 x 32-token Qwen2 generation (hidden 256, 6 layers) took 0.62 s against 0.66 s with
-two intra-op threads, and when other processes hold the cores an OpenMP team stalls at every op
-(1.9 s against 7-27 s there; one intra-op thread, 1.0 s). The caller's own team is never woken:
-its threads spin for milliseconds after each parallel op, on the cores the workers need.
+Two threads that each run the whole step on half of the rows meet once per step. A 16 x 8 x
+32-token Qwen2 generation (hidden 256, 6 layers) on 2 cores: about as fast as two intra-op
+threads when the cores are free (median 0.62-0.73 s against 0.66-0.73 s), and when other
+processes take them an OpenMP team stalls at every op (1.0-2.3 s against 1.1 s to 27 s, one
+intra-op thread 1.0-1.3 s). The caller's own team is never woken: after each parallel op its
+threads spin for milliseconds, on the cores the workers need (that alone cost 0.7 s here).
 """
 from __future__ import annotations
 
