@@ -26,6 +26,8 @@ from miles.builtin import llama_layout_problem
 # exact class names: FSDP2's fully_shard swaps in an "FSDP..." subclass, whose hooks gather the
 # sharded weights this path would bypass
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
 def usable(model: torch.nn.Module, batch: Any) -> bool:
     """Whether :func:`response_logits` computes what the module's own forward would. CPU only:
     it was built and checked against the HF path there; on GPU the HF path keeps its fused
