@@ -19,7 +19,6 @@ from typing import Any, Sequence
 import yaml
 
 from . import builtin, checkpoint, streaming
-from . import weights as W
 from .builtin import encode_prompts, single_turn
 from .config import Config
 from .errors import EngineRestarted, MilesError
@@ -76,7 +75,7 @@ class Loop:
         self.bad_steps = self.nonfinite_total = 0
         self._previous: dict[int, Any] = {}
         self._synced_once = False
-        self._push: W.Calls | None = None  # a background weight push in flight (async runs)
+        self._push: Any = None  # a background weight push in flight (async runs)
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, with_engine: bool = True) -> Parts:
@@ -164,14 +163,8 @@ class Loop:
         if not background:
             with self.engine_lock, streaming.paused(self, engines):
                 return {**done, **self.p.transport.sync(trainer, engines, self.version)}
-        t0, version = time.perf_counter(), self.version
-        snap = streaming.Snapshot(trainer)
-
-        def push() -> dict[str, float]:
-            with self.engine_lock, streaming.paused(self, engines):
-                return self.p.transport.sync(snap, engines, version)
-        self._push = W.Calls([push]) if snap.weights else None
-        return {**done, "weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(snap.nbytes)}
+        self._push, m = streaming.push_in_background(self, trainer, engines)
+        return {**done, **m}
 
     def finish_push(self) -> dict[str, float]:
         """Wait for the background push in flight, if any: its transport's own seconds."""

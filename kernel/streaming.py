@@ -150,6 +150,21 @@ class Snapshot:
         return iter(self.weights)
 
 
+def push_in_background(loop: Any, trainer: Any, engines: list) -> tuple[Any, dict[str, float]]:
+    """Copy the trainer's weights, then push the copy as ``loop.version`` on a thread: the
+    ``Calls`` of that push (None on ranks that send nothing) and the trainer's blocking cost."""
+    from .weights import Calls
+
+    t0, version = time.perf_counter(), loop.version
+    snap = Snapshot(trainer)
+
+    def push() -> dict[str, float]:
+        with loop.engine_lock, paused(loop, engines):
+            return loop.p.transport.sync(snap, engines, version)
+    calls = Calls([push]) if snap.weights else None
+    return calls, {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(snap.nbytes)}
+
+
 def start(loop: Any) -> Streamer | None:
     """The streamer of an async run (rank 0, rollout algorithms), started; else None."""
     if loop.cfg.run.mode != "async" or not loop.main or not loop.p.algorithm.uses_rollout:
