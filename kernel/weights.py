@@ -309,13 +309,14 @@ def broadcast(group: Any, t: "torch.Tensor", root: int = 0, check: Any = None) -
 
 
 def broadcast_all(group: Any, tensors: Sequence["torch.Tensor"], root: int = 0, check: Any = None) -> None:
-    """Broadcast each tensor's bytes from ``root``, in order (as uint8, so every dtype works on
-    every backend). All operations are queued before the first wait: the backend runs them back
-    to back, with no thread hand-off between messages on either side.
+    """Broadcast each tensor's bytes from ``root``, in order, and wait for them (see ``post``)."""
+    wait_all(post(group, tensors, root), check)
 
-    ``check`` (trainer side) is called about once a second while the peers have not all joined,
-    so that an engine whose call failed stops the wait at once instead of at the group timeout.
-    """
+
+def post(group: Any, tensors: Sequence["torch.Tensor"], root: int = 0) -> list:
+    """Queue a broadcast of each tensor's bytes from ``root`` (as uint8, so every dtype works on
+    every backend), all before any wait: the backend runs them back to back, with no thread
+    hand-off between messages on either side. Returns the works, for ``wait_all``."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
@@ -325,8 +326,19 @@ def broadcast_all(group: Any, tensors: Sequence["torch.Tensor"], root: int = 0, 
         flat = t.reshape(-1)
         works.append((group.broadcast([flat if flat.dtype == _uint8() else flat.view(_uint8())], opts),
                       flat.is_cuda))
+    return works
+
+
+def wait_all(works: list, check: Any = None, host: bool = True) -> None:
+    """Wait for ``post``'s works. ``check`` (trainer side) is called about once a second while the
+    peers have not all joined, so that an engine whose call failed stops the wait at once instead
+    of at the group timeout. ``host=False``: NCCL works only order the current CUDA stream after
+    them (the host goes on at once); gloo works are waited for on the host either way."""
     for work, cuda in works:
-        _wait(work, cuda, check)
+        if cuda and not host:
+            work.wait()
+        else:
+            _wait(work, cuda, check)
 
 
 def _wait(work: Any, cuda: bool, check: Any) -> None:

@@ -32,6 +32,7 @@ class SGLangEngine:
     """Client of one or more SGLang-compatible servers (``cfg.urls``)."""
 
     remote = True  # transports must move weights through the update_weights_* methods
+    accepts_buckets = False  # set by init_weights_update_group: every server is `miles serve`
 
     def __init__(self, cfg: SGLangEngineConfig, *, tokenizer: Any = None, seed: int = 0, **_: Any):
         self.cfg = cfg
@@ -223,7 +224,12 @@ class SGLangEngine:
         bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": r,
                    "world_size": world_size, "group_name": group_name, "backend": backend}
                   for r in ranks]
-        return self._all("/init_weights_update_group", bodies)
+        out = self._all("/init_weights_update_group", bodies)
+        # `miles serve` takes a whole sync's buckets in one update call (SGLang servers: one per bucket)
+        info = self._run(self.router.broadcast("GET", "/get_server_info", [None] * len(sizes),
+                                               self.router.servers))
+        self.accepts_buckets = all(isinstance(i, dict) and i.get("accepts_buckets") is True for i in info)
+        return out
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                         shapes: Sequence[Sequence[int]], group_name: str = DEFAULT_GROUP,

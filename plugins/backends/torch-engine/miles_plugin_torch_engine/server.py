@@ -294,7 +294,8 @@ def _info_routes(app: FastAPI, engine: Any, scheduler: Scheduler, model_dir: str
         batches, engine calls) in ``internal_states``."""
         state = {**scheduler.stats, "num_waiting": scheduler.num_waiting, "paused": scheduler.paused}
         return {"model_path": model_dir, **settings, "weight_version": engine.weight_version,
-                "internal_states": [state], **state, "version": "miles"}
+                "internal_states": [state], **state, "version": "miles",
+                "accepts_buckets": bool(getattr(engine, "accepts_buckets", False))}
 
 
 def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str):

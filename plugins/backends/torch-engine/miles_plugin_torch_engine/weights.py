@@ -26,6 +26,7 @@ Formats of ``update_weights_from_tensor`` (trainer and engine on one host):
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -61,6 +62,9 @@ class WeightReceiver:
     """SGLang's weight-update API over ``self._targets`` (name -> parameter or buffer)."""
 
     remote = False  # in process: transports may hand tensors over by reference (load_weights)
+    # update_weights_from_distributed takes a whole sync's buckets in one call (``buckets``):
+    # the broadcast transport then announces a sync once instead of once per bucket
+    accepts_buckets = True
 
     @property
     def _ws(self) -> _State:
@@ -164,8 +168,11 @@ class WeightReceiver:
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
                                         shapes: Sequence[Sequence[int]], group_name: str,
                                         weight_version: Any = None, flush_cache: bool = True,
-                                        load_format: str | None = None, pack_below: int = 0) -> None:
-        """Receive one bucket broadcast by rank 0 of ``group_name``.
+                                        load_format: str | None = None, pack_below: int = 0,
+                                        buckets: Sequence[int] | None = None) -> None:
+        """Receive one bucket broadcast by rank 0 of ``group_name`` or, with ``buckets`` (our
+        extension; see ``accepts_buckets``), several: ``buckets[i]`` consecutive tensors of
+        ``names`` per bucket, each bucket broadcast as if announced by a call of its own.
 
         Wire format (``miles.weights.wire_plan``): tensors under ``pack_below`` bytes arrive
         first, packed in one uint8 buffer; every other tensor follows in its own broadcast, in
@@ -176,14 +183,26 @@ class WeightReceiver:
         if group_name not in self._ws.groups:
             raise MilesError(f"torch engine: no weights update group named {group_name!r}; "
                              "call init_weights_update_group first")
+        counts = [len(names)] if buckets is None else [int(c) for c in buckets]
+        if sum(counts) != len(names) or min(counts, default=1) < 1:
+            raise MilesError(f"torch engine: buckets {counts} do not split the {len(names)} names "
+                             "into non-empty runs")
         group, _, backend = self._ws.groups[group_name]
         dev = self._param_device() if backend == "nccl" else torch.device("cpu")
-        if dev.type == "cuda":
-            with torch.cuda.device(dev):  # NCCL works on the calling thread's current device
-                return self._receive(group, dev, names, dtypes, shapes, weight_version, int(pack_below))
-        return self._receive(group, dev, names, dtypes, shapes, weight_version, int(pack_below))
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            # NCCL works on the calling thread's current device
+            a, failed = 0, None
+            for c in counts:  # every bucket is received, even after one failed (see above)
+                try:
+                    self._receive(group, dev, names[a:a + c], dtypes[a:a + c], shapes[a:a + c], int(pack_below))
+                except MilesError as e:
+                    failed = failed or e
+                a += c
+        if failed is not None:
+            raise failed
+        self._set_version(weight_version)
 
-    def _receive(self, group, dev, names, dtypes, shapes, weight_version, pack_below: int) -> None:
+    def _receive(self, group, dev, names, dtypes, shapes, pack_below: int) -> None:
         # every sync sends the same buckets: their plans (and, below, their receive views) are
         # kept, so a steady-state bucket costs no per-tensor Python work
         key = (tuple(names), tuple(dtypes), tuple(map(tuple, shapes)), pack_below)
@@ -222,7 +241,6 @@ class WeightReceiver:
             self._ws.steady = {k: v for k, v in self._ws.steady.items() if any(v[0] is b for b in live)}
             self._ws.steady[key] = (buf, self._living_in(packed, buf), copy)
         self._assign_all(staged)
-        self._set_version(weight_version)
 
     def _packed_into(self, names: list[str], dtypes: list, shapes: list, plan: W.WirePlan,
                      dev: torch.device) -> tuple[torch.Tensor, list, list]:

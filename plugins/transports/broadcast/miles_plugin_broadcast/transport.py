@@ -6,6 +6,12 @@ Per bucket, the engines are told what is coming (``update_weights_from_distribut
 thread per engine: the call returns once the bytes are in) while this thread broadcasts them,
 following ``miles.weights.wire_plan``: small tensors packed into one uint8 buffer, large ones
 each on its own, straight from the trainer's tensor.
+
+Engines that take a whole sync in one call (``accepts_buckets``: the torch engine, ``miles
+serve``) are told every bucket at once from the second sync on (a sync's buckets are those of
+the one before). Then no bucket waits for an engine's answer: the broadcasts are queued back to
+back, packing one bucket (two send buffers, alternating) while the previous one is on the wire,
+and the host waits once, at the end.
 """
 from __future__ import annotations
 
@@ -31,7 +37,9 @@ class BroadcastTransport:
         self._group = self._store = self._name = self._backend = None
         self._engines: list[Any] = []
         self._members: list[tuple[int, int]] = []
-        self._send_buf = None
+        self._send_bufs: list[Any] = [None, None]  # alternate buckets pack into alternate buffers
+        self._works: list = [[], []]  # per send buffer: (works, tensors) of its last broadcast
+        self._sequence: list[tuple] = []  # the last sync's bucket keys, in order
         self._broken = False
         self._waited = 0.0
         self._plans: dict[tuple, tuple] = {}  # per bucket: wire dtypes, names, shapes, plan
@@ -46,24 +54,64 @@ class BroadcastTransport:
             return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": 0.0}
         want: dict[str, str] = {}
         nbytes, connect, gather, self._waited = 0, 0.0, [0.0], 0.0
+        sent: list[tuple] = []  # this sync's bucket keys, in order
+        ahead = None  # (calls, deadline) of a sync announced in one call per engine
+        self._works = [[], []]
         try:
             for bucket in W.buckets(W.timed(named, gather), self.cfg.bucket_mb << 20):
                 if (self._group is None or self._broken or self._members != _members(engines)):
                     c0 = time.perf_counter()
                     self._connect(engines, bucket[0][1])
                     connect += time.perf_counter() - c0
-                W.ready(bucket, gather)
+                if not sent:
+                    ahead = self._announce(version)
+                if ahead is None:  # with the sync announced, gathering overlaps the broadcasts
+                    W.ready(bucket, gather)
                 if self.cfg.verify:
                     want.update((n, W.checksum(t.to(self._wire_dtype(t)))) for n, t in bucket)
-                nbytes += self._send(bucket, version)
+                size, key = self._send(bucket, version, ahead, len(sent))
+                nbytes += size
+                sent.append(key)
+            if ahead is not None:
+                self._finish(ahead, len(sent))
         except BaseException:
             self._broken = True  # its state is unknown after a failed broadcast: start afresh
+            self._sequence = []
             raise
+        self._sequence = sent
         if self.cfg.verify:
             W.verify(engines, want, version)
         return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(nbytes),
                 "weight_sync_connect_seconds": connect, "weight_sync_gather_seconds": gather[0],
                 "weight_sync_engine_wait_seconds": self._waited}
+
+    def _announce(self, version: int) -> tuple | None:
+        """Tell every engine the whole sync (the previous sync's buckets) in one call, when all
+        take ``buckets``; None otherwise (or on a first sync)."""
+        if not self._sequence or not all(getattr(e, "accepts_buckets", False) for e in self._engines):
+            return None
+        plans = [self._plans[k] for k in self._sequence]
+        names = [n for k in self._sequence for n in k[0]]
+        dtypes = [d for p in plans for d in p[1]]
+        shapes = [s for p in plans for s in p[2]]
+        counts = [len(k[0]) for k in self._sequence]
+        calls = W.Calls([lambda e=e: e.update_weights_from_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=self._name, weight_version=version,
+            pack_below=self._pack_below(), buckets=counts) for e in self._engines])
+        return calls, time.monotonic() + self.cfg.timeout_s
+
+    def _finish(self, ahead: tuple, count: int) -> None:
+        """Wait for an announced sync's broadcasts and the engines' answers."""
+        calls, deadline = ahead
+        if count != len(self._sequence):
+            raise MilesError(f"weight sync: the trainer sent {count} bucket(s) where the previous sync "
+                             f"had {len(self._sequence)}; its weights changed between syncs")
+        check = self._checker(calls, deadline)
+        for works in self._works:
+            W.wait_all(works[0] if works else [], check)
+        t0 = time.perf_counter()  # the bytes are in; the engines' calls still have to return
+        calls.join(max(1.0, deadline - time.monotonic()))
+        self._waited += time.perf_counter() - t0
 
     def _connect(self, engines: Sequence[Any], first: Any) -> None:
         """A new group: this process is rank 0 and hosts the store; the engines take the next
@@ -89,42 +137,60 @@ class BroadcastTransport:
         self._members = _members(engines)
         self._broken = False
 
-    def _send(self, bucket: list, version: int) -> int:
-        """Broadcast one bucket while the engines receive it; the bytes sent."""
+    def _send(self, bucket: list, version: int, ahead: tuple | None, index: int) -> tuple[int, tuple]:
+        """Broadcast bucket ``index`` (announced ``ahead``, else now, to engines that receive it
+        meanwhile); its bytes and key. Announced, it is only queued: its works are waited for
+        before its send buffer is packed again, and at the end of the sync."""
         names = [n for n, _ in bucket]
         tensors = [t for _, t in bucket]
         if self._backend == "gloo":
             tensors = [t.cpu() for t in tensors]
-        wire, dtypes, shapes, plan, nbytes = self._plan(names, tensors)
-        calls = W.Calls([lambda e=e: e.update_weights_from_distributed(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=self._name,
-            weight_version=version, pack_below=self._pack_below()) for e in self._engines])
-        deadline = time.monotonic() + self.cfg.timeout_s
+        key, (wire, dtypes, shapes, plan, nbytes) = self._plan(names, tensors)
+        if ahead is None:
+            calls = W.Calls([lambda e=e: e.update_weights_from_distributed(
+                names=names, dtypes=dtypes, shapes=shapes, group_name=self._name,
+                weight_version=version, pack_below=self._pack_below()) for e in self._engines])
+            deadline = time.monotonic() + self.cfg.timeout_s
+        else:
+            calls, deadline = ahead
+            if index >= len(self._sequence) or self._sequence[index] != key:
+                raise MilesError(f"weight sync: bucket {index} ({names[0]} ...) is not the one the "
+                                 f"previous sync sent there; the trainer's weights changed between syncs")
+        check = self._checker(calls, deadline)
+        slot = index % 2
+        import torch
 
+        with torch.no_grad():
+            W.wait_all(self._works[slot][0] if self._works[slot] else [], check, host=False)
+            out = [tensors[i].detach().to(wire[i]).contiguous() for i in plan.direct]
+            if plan.packed:
+                buf = self._buffer(slot, plan.packed_bytes, tensors[0].device)
+                torch._foreach_copy_(self._slots(names, buf, plan, wire, shapes),
+                                     [tensors[i] for i in plan.packed])
+                out.insert(0, buf)
+        works = W.post(self._group, out)
+        self._works[slot] = (works, out)  # the tensors stay alive until their broadcast is done
+        if ahead is None:
+            W.wait_all(works, check)
+            t0 = time.perf_counter()  # the bytes are in; the engines' calls still have to return
+            calls.join(max(1.0, deadline - time.monotonic()))
+            self._waited += time.perf_counter() - t0
+        return nbytes, key
+
+    def _checker(self, calls: Any, deadline: float) -> Any:
+        """A check for ``wait_all``: an engine call that failed, or the deadline, ends the wait."""
         def check() -> None:
             calls.check()
             if time.monotonic() > deadline:
                 raise MilesError(f"weight sync: engines did not take part in a broadcast within "
                                  f"{self.cfg.timeout_s:.0f} s (sync.timeout_s)")
 
-        import torch
+        return check
 
-        with torch.no_grad():
-            out = [tensors[i].detach().to(wire[i]).contiguous() for i in plan.direct]
-            if plan.packed:
-                buf = self._buffer(plan.packed_bytes, tensors[0].device)
-                torch._foreach_copy_(self._slots(names, buf, plan, wire, shapes),
-                                     [tensors[i] for i in plan.packed])
-                out.insert(0, buf)
-        W.broadcast_all(self._group, out, check=check)
-        t0 = time.perf_counter()  # the bytes are in; the engines' calls still have to return
-        calls.join(max(1.0, deadline - time.monotonic()))
-        self._waited += time.perf_counter() - t0
-        return nbytes
-
-    def _plan(self, names: list[str], tensors: list) -> tuple[list, list[str], list, W.WirePlan, int]:
-        """Wire dtypes, their names, shapes, the wire plan and bytes of a bucket: the same buckets come
-        at every sync, so they are worked out once per bucket (no per-tensor work after that)."""
+    def _plan(self, names: list[str], tensors: list) -> tuple[tuple, tuple]:
+        """A bucket's key, and its wire dtypes, their names, shapes, wire plan and bytes: the same
+        buckets come at every sync, so they are worked out once per bucket (no per-tensor work
+        after that)."""
         key = (tuple(names), tensors[0].dtype, tensors[-1].dtype, self._pack_below())
         got = self._plans.get(key)
         if got is None:
@@ -133,7 +199,7 @@ class BroadcastTransport:
             shapes = [list(t.shape) for t in tensors]
             size = sum(t.numel() * d.itemsize for t, d in zip(tensors, wire))
             got = self._plans[key] = (wire, dtypes, shapes, W.wire_plan(dtypes, shapes, self._pack_below()), size)
-        return got
+        return key, got
 
     def _slots(self, names: list[str], buf: Any, plan: W.WirePlan, wire: list, shapes: list) -> list:
         """Typed views of the send buffer where the bucket's packed tensors go (kept per bucket
@@ -154,13 +220,14 @@ class BroadcastTransport:
             return AUTO_PACK_BYTES[self._backend]
         return int(self.cfg.pack_mb * (1 << 20))
 
-    def _buffer(self, size: int, device: Any) -> Any:
+    def _buffer(self, slot: int, size: int, device: Any) -> Any:
+        """Send buffer ``slot`` (0 or 1), at least ``size`` bytes."""
         import torch
 
-        buf = self._send_buf
+        buf = self._send_bufs[slot]
         if buf is None or buf.numel() < size or buf.device != device:
-            buf = self._send_buf = torch.empty(size, dtype=torch.uint8, device=device)
-            self._views.clear()  # views of the old buffer
+            buf = self._send_bufs[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+            self._views.clear()  # views of the old buffer (its address may come back)
         return buf[:size]
 
     def close(self) -> None:

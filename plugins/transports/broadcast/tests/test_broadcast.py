@@ -219,3 +219,46 @@ def test_cached_receive_views_follow_parameters_moved_by_another_transport(engin
     finally:
         broadcast.close()
         tensor.close()
+
+
+class Counting:
+    """The caller's view of a real engine, counting its update calls (the unit here is the
+    transport: how often it talks to the engine)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def update_weights_from_distributed(self, **kw):
+        self.calls.append(kw.get("buckets"))
+        return self.engine.update_weights_from_distributed(**kw)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_later_syncs_are_announced_in_one_call_and_arrive_bit_exactly():
+    """~5 MiB in 1 MiB buckets: the first sync announces each bucket; later ones (same buckets)
+    are announced once, the broadcasts queued back to back through two send buffers."""
+    spec = dict(hidden=256, layers=3, heads=4, kv_heads=2, seed=0)
+    engine = EngineProcess(spec=TinySpec(**spec))
+    try:
+        assert engine.accepts_buckets is True
+        policy = Policy()
+        policy.model = TinySpec(**{**spec, "seed": 1}).build_model(char_tokenizer())
+        counting = Counting(engine)
+        transport = BroadcastTransport(BroadcastSyncConfig(bucket_mb=1, pack_mb=1 / 64, timeout_s=60))
+        for version in (1, 2, 3):
+            counting.calls.clear()
+            transport.sync(policy, [counting], version)
+            want = {n: W.checksum(t) for n, t in policy.named_weights()}
+            assert engine.weight_checksums(list(want)) == want
+            assert engine.weight_version == version
+            if version == 1:
+                assert len(counting.calls) > 2 and set(counting.calls) == {None}
+            else:
+                (counts,) = counting.calls
+                assert len(counts) > 2 and sum(counts) == len(want)
+            policy.step()
+        transport.close()
+    finally:
+        engine.close()
