@@ -1,7 +1,7 @@
 """Weight-sync transports against the raw primitive each one is built on, measured in one run.
 
 A trainer (this process) holds a random Qwen2-shaped model of about ``--mb`` MiB; a torch engine
-runs in another process (``miles.testing.EngineProcess``: every engine method over a pipe, as
+runs in another process (``miles_wire.testing.EngineProcess``: every engine method over a pipe, as
 ``miles serve`` would take it over HTTP). After two warm-up syncs (segments, groups and page
 faults of a first sync are not steady-state costs), rounds of one raw primitive run and one sync
 per setting alternate ``--repeat`` times (load from other processes then hits both alike); the
@@ -73,7 +73,7 @@ class RawMemcpy:
 
 
 def _raw_peer(port: int, nbytes: int, backend: str, dev: str) -> None:
-    from miles import weights as W
+    import miles_wire as W
 
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
@@ -95,7 +95,7 @@ class RawBroadcast:
     def __init__(self, nbytes: int, dev: str, peer_dev: str):
         import multiprocessing
 
-        from miles import weights as W
+        import miles_wire as W
 
         self.W, backend = W, ("nccl" if dev.startswith("cuda") else "gloo")
         store = W.open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=300)
@@ -156,7 +156,7 @@ class Sync:
         self.parts = {k[12:-8] or "total": v for k, v in m.items() if k.startswith("weight_sync_") and k.endswith("_seconds")}
 
     def close(self) -> None:
-        from miles import weights as W
+        import miles_wire as W
 
         self.once()
         want = {n: W.checksum(x) for n, x in self.trainer.named_weights()}
@@ -190,7 +190,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from miles.testing import EngineProcess, char_tokenizer
+    from miles.testing import char_tokenizer
+    from miles_wire.testing import EngineProcess
 
     spec = _spec(args.mb, args.shape)
     cuda = args.device == "cuda"

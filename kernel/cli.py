@@ -144,12 +144,10 @@ def parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext)
         sp.add_argument("config", help="YAML config file")
         sp.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-        sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
         sp.set_defaults(fn=fn)
     sp = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face folder")
     sp.add_argument("run_dir", help="the run's out_dir")
     sp.add_argument("--to", required=True, help="destination folder")
-    sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("serve", help="serve a Hugging Face model folder over SGLang's HTTP API")
     sp.add_argument("model_dir", help="Hugging Face model folder (e.g. written by miles export)")
@@ -157,12 +155,12 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs --api-key)")
     sp.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     sp.add_argument("overrides", nargs="*", help="engine settings as key=value (e.g. dtype=bfloat16)")
-    sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
     sp.set_defaults(fn=cmd_serve)
     sp = sub.add_parser("plugins", help="list discovered plugins and components")
     sp.add_argument("--json", action="store_true")
-    sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
     sp.set_defaults(fn=cmd_plugins)
+    for sp in sub.choices.values():
+        sp.add_argument("--plugin", action="append", help="launch-time plugin module or .py file")
     return p
 
 

@@ -223,12 +223,10 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
         except ValidationError as e:
             problems.extend(_pydantic_problems(section, e, model))
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
-    run, warm_trainer = kernel.get("run"), None
-    if run is not None and kernel.get("rollout") is not None and kernel["rollout"].true_on_policy \
-            and getattr(run, "mode", "sync") != "sync":
+    run, rollout, warm_trainer = kernel.get("run"), kernel.get("rollout"), None
+    if run is not None and rollout is not None and rollout.true_on_policy and run.mode != "sync":
         problems.append("rollout.true_on_policy: needs run.mode sync (async rollouts come from older weights)")
-    if run is not None and kernel.get("rollout") is not None and kernel["rollout"].in_flight == "resume" \
-            and run.mode != "async":
+    if run is not None and rollout is not None and rollout.in_flight == "resume" and run.mode != "async":
         problems.append("rollout.in_flight: resume needs run.mode async (sync runs never push weights "
                         "while generating)")
     if run is not None and run.warm_start is not None:

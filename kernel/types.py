@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -176,15 +176,9 @@ class Batch:
         import torch
 
         t = torch.tensor(idx, dtype=torch.long)
-        pick = lambda x: None if x is None else x[t]  # noqa: E731
-        return replace(
-            self, input_ids=pick(self.input_ids), attention_mask=pick(self.attention_mask),
-            position_ids=pick(self.position_ids), loss_mask=pick(self.loss_mask),
-            advantages=pick(self.advantages), rollout_logprobs=pick(self.rollout_logprobs),
-            rewards=pick(self.rewards), old_logprobs=pick(self.old_logprobs),
-            ref_logprobs=pick(self.ref_logprobs), teacher_logprobs=pick(self.teacher_logprobs),
-            samples=[self.samples[i] for i in idx],
-            extras={k: pick(v) if hasattr(v, "shape") else v for k, v in self.extras.items()})
+        rows = {f.name: getattr(self, f.name)[t] for f in fields(self) if hasattr(getattr(self, f.name), "shape")}
+        return replace(self, **rows, samples=[self.samples[i] for i in idx],
+                       extras={k: v[t] if hasattr(v, "shape") else v for k, v in self.extras.items()})
 
     def split(self, size: int) -> list["Batch"]:
         """Micro-batches of at most ``size`` rows (global denominators preserved)."""

@@ -2,7 +2,6 @@
 import json
 
 import pytest
-from miles.testing import install_plugin_dist
 
 from miles import Group, Sample, Task, hookimpl
 from miles.errors import PluginError
@@ -18,9 +17,9 @@ SHOUT = """
 
 
 @pytest.fixture(scope="module")
-def installed_plugin(tmp_path_factory):
+def installed_plugin(tmp_path_factory, install_dist):
     """A real third-party distribution, built and installed with pip into its own folder."""
-    return install_plugin_dist(tmp_path_factory.mktemp("dist"), "shout", "3.1.4", SHOUT)
+    return install_dist(tmp_path_factory.mktemp("dist"), "shout", "3.1.4", SHOUT)
 
 
 def test_entry_point_of_installed_distribution_is_discovered(installed_plugin, cli):

@@ -7,8 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-from miles.testing import install_plugin_dist
-
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY = "tests/tiny.yaml"
@@ -101,8 +99,8 @@ def miles_loss(batch, logprobs):
 """
 
 
-def test_installed_plugin_hooks_and_launch_time_loss_take_effect(cli, tmp_path):
-    site = install_plugin_dist(tmp_path, "judge", "0.2.0", JUDGE)
+def test_installed_plugin_hooks_and_launch_time_loss_take_effect(cli, tmp_path, install_dist):
+    site = install_dist(tmp_path, "judge", "0.2.0", JUDGE)
     loss_file = tmp_path / "my_loss.py"
     loss_file.write_text(LOSS_PLUGIN)
     log = tmp_path / "judge.jsonl"
@@ -176,7 +174,7 @@ def test_async_run_pushes_weights_in_the_background_and_ends_on_the_last_version
     """run.mode async: each step's push runs on a thread (the trainer only copies its weights),
     every step logs staleness and version, and the engine ends with the trainer's last weights."""
     from miles import make_plugin_manager
-    from miles import weights as W
+    import miles_wire as W
     from miles.config import apply_overrides, read_yaml, resolve
     from miles.loop import Loop
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from miles import SamplingParams, make_plugin_manager
-from miles import weights as W
+import miles_wire as W
 from miles.testing import TinySpec, char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

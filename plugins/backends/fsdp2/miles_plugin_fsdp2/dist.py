@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from miles import MilesError
-from miles import weights as W
+import miles_wire as W
 
 # one gloo group per default process group, for Python objects and barriers: a second trainer in
 # the same process (warm start -> RL) reuses it instead of creating another

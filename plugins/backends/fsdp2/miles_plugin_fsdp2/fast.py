@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from miles.builtin import llama_layout_problem
+from miles_wire.llama import llama_layout_problem
 
 # exact class names: FSDP2's fully_shard swaps in an "FSDP..." subclass, whose hooks gather the
 # sharded weights this path would bypass

@@ -1,5 +1,5 @@
-"""``load_weights`` of the sglang engine: one weight version in the kernel's disk format
-(``miles.weights``: ``LATEST`` + ``vNNNNNNNN/manifest.json`` + safetensors), which the torch
+"""``load_weights`` of the sglang engine: one weight version in the shared disk format
+(``miles_wire``: ``LATEST`` + ``vNNNNNNNN/manifest.json`` + safetensors), which the torch
 server's ``update_weights_from_disk`` reads. Whole versions only (the ``disk`` transport adds
 deltas, sharding and retention on top of the same format)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import shutil
 from typing import Any, Iterable
 
+import miles_wire as W
 from miles import MilesError
-from miles import weights as W
 from miles.checkpoint import fsync_path, write_atomic
 
 SHARD = "model-00000.safetensors"

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 from miles import Completion, MilesError, make_plugin_manager
-from miles import weights as W
+import miles_wire as W
 from miles.testing import assert_lazy_registration
 from pydantic import ValidationError
 

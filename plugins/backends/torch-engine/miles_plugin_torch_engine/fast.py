@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from miles.builtin import llama_layout_problem
+from miles_wire.llama import llama_layout_problem
 
 from . import triton_ops
 

@@ -2,7 +2,7 @@
 
 Mixed into ``TorchEngine``; ``miles serve`` exposes these methods under SGLang's endpoint names,
 so one transport drives an in-process engine, a ``miles serve`` process or an SGLang server alike.
-Byte layouts, checksums and the disk format come from ``miles.weights`` (shared with the
+Byte layouts, checksums and the disk format come from ``miles_wire`` (shared with the
 transports); this module never imports a transport plugin.
 
 Formats of ``update_weights_from_tensor`` (trainer and engine on one host):
@@ -35,9 +35,9 @@ import re
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
+import miles_wire as W
 import torch
 from miles import MilesError
-from miles import weights as W
 
 SHM_FORMAT, CUDA_IPC_FORMAT = W.SHM_FORMAT, W.CUDA_IPC_FORMAT
 GROUP_TIMEOUT_S = 600.0
@@ -174,7 +174,7 @@ class WeightReceiver:
         extension; see ``accepts_buckets``), several: ``buckets[i]`` consecutive tensors of
         ``names`` per bucket, each bucket broadcast as if announced by a call of its own.
 
-        Wire format (``miles.weights.wire_plan``): tensors under ``pack_below`` bytes arrive
+        Wire format (``miles_wire.wire_plan``): tensors under ``pack_below`` bytes arrive
         first, packed in one uint8 buffer; every other tensor follows in its own broadcast, in
         order, straight into its parameter when dtype, shape and device allow. ``pack_below=0``
         is SGLang's format (one broadcast per tensor). Every broadcast is received before any

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles import MilesError
-from miles import weights as W
+import miles_wire as W
 from miles.testing import TinySpec, char_tokenizer
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine

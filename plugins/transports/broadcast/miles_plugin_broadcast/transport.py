@@ -4,7 +4,7 @@ never involved, so a multi-rank trainer and one-process engines join it alike.
 
 Per bucket, the engines are told what is coming (``update_weights_from_distributed``, one
 thread per engine: the call returns once the bytes are in) while this thread broadcasts them,
-following ``miles.weights.wire_plan``: small tensors packed into one uint8 buffer, large ones
+following ``miles_wire.wire_plan``: small tensors packed into one uint8 buffer, large ones
 each on its own, straight from the trainer's tensor.
 
 Engines that take a whole sync in one call (``accepts_buckets``: the torch engine, ``miles
@@ -19,8 +19,8 @@ import secrets
 import time
 from typing import Any, Sequence
 
+import miles_wire as W
 from miles import MilesError
-from miles import weights as W
 
 from .config import BroadcastSyncConfig
 

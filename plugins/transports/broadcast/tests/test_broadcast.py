@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from miles import MilesError, SamplingParams
-from miles import weights as W
-from miles.testing import EngineProcess, TinySpec, assert_lazy_registration, char_tokenizer
+import miles_wire as W
+from miles.testing import TinySpec, assert_lazy_registration, char_tokenizer
+from miles_wire.testing import EngineProcess
 from miles_plugin_broadcast.config import BroadcastSyncConfig
 from miles_plugin_broadcast.transport import BroadcastTransport
 

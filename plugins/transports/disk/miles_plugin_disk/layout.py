@@ -18,8 +18,8 @@ from typing import Any, Iterable
 
 from miles.checkpoint import fsync_path, write_atomic  # noqa: F401 (used by writer)
 # the reading side of the format is shared with engines through the kernel (one copy)
-from miles.weights import LATEST, MANIFEST, committed, latest  # noqa: F401
-from miles.weights import parse_folder as parse
+from miles_wire import LATEST, MANIFEST, committed, latest  # noqa: F401
+from miles_wire import parse_folder as parse
 
 
 def folder_name(version: int, rev: int = 0) -> str:

@@ -6,7 +6,7 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-from miles import weights as W
+import miles_wire as W
 
 from .config import DiskSyncConfig
 from .reader import load_version, read_manifest

@@ -207,8 +207,9 @@ def test_registration_is_lazy_and_out_dir_sets_the_default_dir(tmp_path):
 
 # -- an engine in another process: update_weights_from_disk ---------------------------------------
 from miles import SamplingParams  # noqa: E402
-from miles import weights as W  # noqa: E402
-from miles.testing import EngineProcess, TinySpec  # noqa: E402
+import miles_wire as W  # noqa: E402
+from miles.testing import TinySpec  # noqa: E402
+from miles_wire.testing import EngineProcess  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ import secrets
 import weakref
 from typing import Any, Sequence
 
+import miles_wire as W
 import torch
 from miles import MilesError
-from miles import weights as W
 
 SHM_FORMAT, CUDA_IPC_FORMAT = W.SHM_FORMAT, W.CUDA_IPC_FORMAT
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from miles import weights as W
+import miles_wire as W
 
 from .config import TensorSyncConfig
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from miles import MilesError
-from miles import weights as W
+import miles_wire as W
 from miles_plugin_tensor.transport import TensorSyncConfig, TensorTransport
 
 
@@ -49,7 +49,8 @@ def test_registration_is_lazy():
 
 # -- an engine in another process: shared memory hand-off -----------------------------------------
 from miles import SamplingParams  # noqa: E402
-from miles.testing import EngineProcess, TinySpec, char_tokenizer  # noqa: E402
+from miles.testing import TinySpec, char_tokenizer  # noqa: E402
+from miles_wire.testing import EngineProcess  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,14 @@
-"""miles.weights: the byte layouts, checksums and process groups both ends of a transport share."""
+"""miles_wire: the byte layouts, checksums and process groups both ends of a transport share."""
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
 
+import miles_wire as W
 from miles import MilesError
-from miles import weights as W
 
 
 def test_buckets_respect_the_limit_and_keep_order():
@@ -87,3 +89,10 @@ def test_unknown_dtype_and_backend_are_clear_errors():
         W.to_dtype("floaty")
     with pytest.raises(MilesError, match="unknown backend 'mpi'"):
         W.new_group(None, 0, 1, "g", "mpi", 1)
+
+
+def test_importing_the_library_does_not_import_torch():
+    code = ("import sys, miles_wire, miles_wire.llama; "
+            "assert miles_wire.Calls is __import__('miles.weights').weights.Calls; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
