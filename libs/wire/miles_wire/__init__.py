@@ -76,16 +76,17 @@ def _uint8():
 
 
 # -- bucketing and packing -----------------------------------------------------------------------
-def buckets(named: Iterable[tuple[str, "torch.Tensor"]],
-            limit: int) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
-    """Consecutive groups of at most ``limit`` bytes (a larger tensor forms a group of its own)."""
+def buckets(named: Iterable[tuple[str, "torch.Tensor"]], limit: int,
+            first: int | None = None) -> Iterator[list[tuple[str, "torch.Tensor"]]]:
+    """Consecutive groups of at most ``limit`` bytes (``first`` for the first group; a larger
+    tensor forms a group of its own)."""
     group: list[tuple[str, Any]] = []
-    size = 0
+    size, cap = 0, limit if first is None else first
     for name, t in named:
         n = nbytes(t)
-        if group and size + n > limit:
+        if group and size + n > cap:
             yield group
-            group, size = [], 0
+            group, size, cap = [], 0, limit
         group.append((name, t))
         size += n
     if group:
@@ -309,7 +310,7 @@ def _wait(work: Any, cuda: bool, check: Any) -> None:
 
         while not work.is_completed():
             check()
-            time.sleep(1e-4)
+            time.sleep(2e-5)
         work.wait()
     else:
         while True:

@@ -40,6 +40,7 @@ class BroadcastTransport:
         self._send_bufs: list[Any] = [None, None]  # alternate buckets pack into alternate buffers
         self._works: list = [[], []]  # per send buffer: (works, tensors) of its last broadcast
         self._sequence: list[tuple] = []  # the last sync's bucket keys, in order
+        self._accepts = False  # every engine of the group takes a whole sync in one call
         self._broken = False
         self._waited = 0.0
         self._plans: dict[tuple, tuple] = {}  # per bucket: wire dtypes, names, shapes, plan
@@ -57,14 +58,16 @@ class BroadcastTransport:
         sent: list[tuple] = []  # this sync's bucket keys, in order
         ahead = None  # (calls, deadline) of a sync announced in one call per engine
         self._works = [[], []]
+        limit = self.cfg.bucket_mb << 20
         try:
-            for bucket in W.buckets(W.timed(named, gather), self.cfg.bucket_mb << 20):
+            if self._group is not None and not self._broken and self._members == _members(engines):
+                ahead = self._announce(version)  # before the first bucket is gathered
+            # a small first bucket: the wire starts while the rest is gathered and packed
+            for bucket in W.buckets(W.timed(named, gather), limit, limit // 8):
                 if (self._group is None or self._broken or self._members != _members(engines)):
                     c0 = time.perf_counter()
                     self._connect(engines, bucket[0][1])
                     connect += time.perf_counter() - c0
-                if not sent:
-                    ahead = self._announce(version)
                 if ahead is None:  # with the sync announced, gathering overlaps the broadcasts
                     W.ready(bucket, gather)
                 if self.cfg.verify:
@@ -88,7 +91,7 @@ class BroadcastTransport:
     def _announce(self, version: int) -> tuple | None:
         """Tell every engine the whole sync (the previous sync's buckets) in one call, when all
         take ``buckets``; None otherwise (or on a first sync)."""
-        if not self._sequence or not all(getattr(e, "accepts_buckets", False) for e in self._engines):
+        if not self._sequence or not self._accepts:
             return None
         plans = [self._plans[k] for k in self._sequence]
         names = [n for k in self._sequence for n in k[0]]
@@ -135,6 +138,7 @@ class BroadcastTransport:
         self._group = group.join(cfg.timeout_s)[0]
         self._store, self._name, self._backend, self._engines = store, name, backend, list(engines)
         self._members = _members(engines)
+        self._accepts = all(getattr(e, "accepts_buckets", False) for e in engines)  # after the join
         self._broken = False
 
     def _send(self, bucket: list, version: int, ahead: tuple | None, index: int) -> tuple[int, tuple]:
