@@ -152,6 +152,7 @@ class FSDP2Trainer:
         torch.manual_seed(seed)  # the same seed on every rank: identical initial weights
         self.model = self._place(spec.build_model(tokenizer)).train()
         self.ref: torch.nn.Module | None = None
+        self._state: list[tuple[str, torch.Tensor]] | None = None  # see _state_items
         # fused AdamW is one kernel per step instead of several per parameter (CPU and CUDA)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
@@ -322,12 +323,24 @@ class FSDP2Trainer:
         """HF names and full tensors, one at a time (each gathered from the ranks' shards just
         before it is yielded), on every rank."""
         if not self.sharded:
-            for name, t in self.model.state_dict().items():
+            for name, t in self._state_items():
                 yield name, t.detach()
             return
         self.reshard()
-        for name, t in dist_.full_tensors(self.model.state_dict().items()):
+        for name, t in dist_.full_tensors(self._state_items()):
             yield name, t.detach()
+
+    def _state_items(self) -> list[tuple[str, torch.Tensor]]:
+        """The state dict's names with the live parameters and buffers they name, kept: FSDP2
+        builds a state dict of DTensors at ~20 us per tensor, at every sync. (The sharded
+        parameters stay the same objects, updated in place; a model whose state dict names
+        something else is asked each time.)"""
+        if self._state is None:
+            live = dict(self.model.named_parameters(remove_duplicate=False))
+            live.update(self.model.named_buffers(remove_duplicate=False))
+            keys = list(self.model.state_dict())
+            self._state = [(k, live[k]) for k in keys] if all(k in live for k in keys) else []
+        return self._state or list(self.model.state_dict().items())
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors in HF names (the same on every rank); each rank keeps its shard."""
@@ -364,6 +377,7 @@ class FSDP2Trainer:
         from . import checkpoint
 
         checkpoint.load(self, path)
+        self._state = None  # loaded in place, but asked afresh in case a loader replaced tensors
 
 
 def _pick_device(name: str, local_rank: int, world: int) -> torch.device:
