@@ -63,15 +63,21 @@ class RolloutConfig(Strict):
                                    "whose groups were filtered out (bounded, never a hang)")
     minibatches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style "
                              "mini-batches; >1 recomputes old log-probs)")
-    max_staleness: int = Field(1, ge=0, description="async: groups more than this many weight "
-                               "versions old are dropped or importance-weighted (stale_policy)")
-    stale_policy: Literal["drop", "importance"] = Field("drop", description="async: what happens "
-                                                        "to groups older than max_staleness")
+    max_staleness: int = Field(1, ge=0, description="async: rollout workers generate no group "
+                               "that would be more than this many weight versions old when trained "
+                               "on; groups that still are get stale_policy")
+    stale_policy: Literal["drop", "importance"] = Field("drop", description="async: groups older "
+                                                        "than max_staleness are dropped, or kept "
+                                                        "(importance-weighted like any stale sample)")
+    correct_stale: bool = Field(True, description="async: samples from older weights than the "
+                                "trainer's are trained with truncated importance weights "
+                                "min(pi/pi_rollout, importance_cap) per token (decoupled PPO); "
+                                "false: as if they were on-policy")
     importance_cap: float = Field(2.0, gt=0, description="async: truncation of importance weights")
     buffer_groups: int | None = Field(None, gt=0, description="async: buffer capacity in groups "
                                       "(default 2 x batch_size)")
-    async_workers: int = Field(2, gt=0, description="async: rollout threads, each keeping a chunk of "
-                               "batch_size / async_workers prompts in flight")
+    async_workers: int = Field(2, gt=0, description="async: rollout threads, each keeping one request "
+                               "of up to batch_size prompts in flight (pacing sizes it)")
     in_flight: Literal["finish", "resume"] = Field(
         "finish", description="async: requests in flight when new weights are pushed. finish: they "
         "end on the old weights; resume (partial rollout; engines in their own processes): they are "

@@ -8,6 +8,7 @@ receive each step's samples through ``trainer.broadcast_object`` and join every 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import signal
@@ -141,7 +142,7 @@ class Loop:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the eval split (rank 0; the other ranks get ``{}``)."""
-        self.finish_push()
+        streaming.finish_push(self)
         if not self.main:
             return {}
         tasks = list(self.p.env.tasks("eval"))
@@ -154,22 +155,17 @@ class Loop:
         """Push the trainer's weights to the engines as ``self.version``. ``background`` (async
         runs): the weights are copied, then pushed on a thread while the trainer goes on with the
         next step; the next push, an evaluation and the end of the run wait for it."""
-        done = self.finish_push()
+        done = streaming.finish_push(self)
         engines = [self.p.engine] if self.p.engine is not None else []
         trainer, keep = self.p.trainer, getattr(self.p.spec, "sync_filter", None)
         if keep is not None and self._synced_once:  # e.g. LoRA: the frozen base went with the first sync
             trainer = SyncView(trainer, keep)
         self._synced_once = True
         if not background:
-            with self.engine_lock, streaming.paused(self, engines):
+            with self.engine_lock, streaming.pushing(self, engines, self.version):
                 return {**done, **self.p.transport.sync(trainer, engines, self.version)}
         self._push, m = streaming.push_in_background(self, trainer, engines)
         return {**done, **m}
-
-    def finish_push(self) -> dict[str, float]:
-        """Wait for the background push in flight, if any: its transport's own seconds."""
-        calls, self._push = self._push, None
-        return {"weight_push_seconds": calls.join()[0]["weight_sync_seconds"]} if calls else {}
 
     def share(self, obj: Any) -> Any:
         """``obj`` as rank 0 has it, on every trainer rank."""
@@ -192,13 +188,14 @@ class Loop:
         pm = self.pm
 
         def fn(batch: Batch, logprobs):
+            batch, extra = streaming.reweight(self, batch, logprobs)  # async: stale samples
             custom = call_first(pm, "miles_loss", batch=batch, logprobs=logprobs)
             loss, metrics = custom if custom is not None else algorithm.loss(batch, logprobs)
             if batch.samples and batch.samples[0].logprobs:
                 diff = (logprobs.detach() - batch.rollout_logprobs).abs()
                 m = batch.loss_mask
                 metrics = {**metrics, "train_rollout_logprob_abs_diff": float((diff * m).sum() / m.sum().clamp(min=1))}
-            return loss, metrics
+            return loss, {**metrics, **extra}
         return fn
 
     def update(self, samples: list[Sample], advantages: list, algorithm: Any,
@@ -215,8 +212,6 @@ class Loop:
         k = max(1, min(minibatches or self.cfg.rollout.minibatches, len(batch)))
         if k > 1:
             batch.old_logprobs = trainer.logprobs(batch, "policy")
-        if self.streamer is not None and self.cfg.rollout.stale_policy == "importance":
-            streaming.importance(self, batch)
         critic = getattr(algorithm, "needs_critic", False)
         if critic:  # the critic's V_t before the update (PPO's GAE)
             batch.extras["values"] = trainer.values(batch)
@@ -311,10 +306,7 @@ class Loop:
             m.update(self._after_update(t0), reward_mean=sum(s.reward for s in samples) / n)
             return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
         params = replace(self.params, seed=rng.randrange(2**31))
-        if self.streamer is not None:  # async: groups come from the buffer
-            kept, m = self.gather(self.streamer.take)
-        else:
-            kept, m = self.gather(lambda: self.collect(rng, params))
+        kept, m = self.gather(self.streamer.take if self.streamer else lambda: self.collect(rng, params))
         t_roll = time.perf_counter()
         if kept:  # a step whose groups were all dropped is logged without an update
             advs = [a for per_group in algo.advantages(kept) for a in per_group]
@@ -479,6 +471,7 @@ class Loop:
                 start = 1
             else:
                 self.console(f"resuming from step {start - 1} in {cfg.run.out_dir}")
+            gc.freeze()  # the run's long-lived objects: collections skip them (a full one took ~0.2 s)
             self.streamer = streaming.start(self)
             for step in range(start, cfg.run.steps + 1):
                 m = self.rl_step(step)
@@ -495,8 +488,9 @@ class Loop:
                     raise Interrupted(f"{signal.Signals(self.stop_signal or signal.SIGTERM).name} after "
                                       f"step {step}: checkpoint written; rerun the same command to resume "
                                       f"from {cfg.run.out_dir}", 128 + (self.stop_signal or signal.SIGTERM))
-            self.finish_push()  # the engines end on the last version
+            streaming.finish_push(self)  # the engines end on the last version
         finally:
+            gc.unfreeze()
             if self.streamer is not None:
                 self.streamer.close()
             self._restore_signals()

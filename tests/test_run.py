@@ -1,4 +1,5 @@
 """End-to-end runs of the CLI on a tiny config: metrics, plugins taking effect, resume, kill -9."""
+import gc
 import json
 import os
 import signal
@@ -186,7 +187,11 @@ def test_async_run_pushes_weights_in_the_background_and_ends_on_the_last_version
     history = loop.run()
     steps = [h for h in history if h["step"] > 0]
     assert all("staleness_mean" in h and h["weight_version"] == h["step"] for h in steps)
+    assert all(h["staleness_max"] <= 1 for h in steps)  # rollout.max_staleness
+    # samples from the previous version are trained with importance weights (rollout.correct_stale)
+    assert all("importance_weight_mean" in h for h in steps if h["staleness_max"] > 0)
     assert any("weight_push_seconds" in h for h in steps)  # the previous step's push, joined
+    assert gc.get_freeze_count() == 0  # the run froze its objects for the GC, and let them go
     assert loop._push is None and loop.p.engine.weight_version == loop.version == 4
     want = {n: W.checksum(t) for n, t in loop.p.trainer.named_weights()}
     W.verify([loop.p.engine], want, loop.version)
