@@ -11,8 +11,10 @@ block the other endpoints.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import inspect
+import json
 import signal
 import socket
 import time
@@ -91,9 +93,9 @@ def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: fl
     rows = [(item, j) for j in range(n) for item in req.items]
     comps = [None if req.aborted else item.completions[j] for item, j in rows]
     texts = decode_batch(tokenizer, [c.token_ids if c else [] for c in comps])
-    with_text = body.return_text_in_logprobs
+    logprobs = body.wants_logprobs
     token_texts = (iter(decode_batch(tokenizer, [[t] for c in comps if c for t in c.token_ids]))
-                   if with_text and body.wants_logprobs else None)
+                   if body.return_text_in_logprobs and logprobs else None)
     latency = time.monotonic() - started
     out = []
     for k, ((item, _), comp, text) in enumerate(zip(rows, comps, texts)):
@@ -103,7 +105,7 @@ def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: fl
                                                 req.aborted),
                 "prompt_tokens": len(item.prompt), "completion_tokens": len(tokens),
                 "weight_version": comp.weight_version if comp else None, "e2e_latency": latency}
-        if body.wants_logprobs:
+        if logprobs:
             meta["output_token_logprobs"] = [
                 [lp, t, next(token_texts) if token_texts else None]
                 for lp, t in zip(comp.logprobs if comp else [], tokens)]
@@ -206,9 +208,11 @@ def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
         except Exception as e:  # noqa: BLE001 - the engine rejected the batch
             return _error(f"generation failed: {type(e).__name__}: {e}", 500)
         out = format_outputs(req, body, tokenizer, started)
-        # a JSONResponse is sent as is: FastAPI's jsonable_encoder would walk every log-prob
-        # first (~19 ms for 128 samples of 5 tokens, against ~2 ms for the JSON itself)
-        return JSONResponse(out[0] if body.single and len(out) == 1 else out)
+        # the JSON is written here, not by FastAPI's jsonable_encoder, which would walk every
+        # log-prob first (~19 ms for 128 samples of 5 tokens); escaped ASCII encodes ~25% faster
+        # than JSONResponse's UTF-8 (both are valid JSON of the same values)
+        return Response(json.dumps(out[0] if body.single and len(out) == 1 else out, allow_nan=False,
+                                   separators=(",", ":")), media_type="application/json")
 
 
 def _control_routes(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
@@ -374,6 +378,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
     scheduler = Scheduler(engine)
     app = build_app(engine, scheduler, model_dir=model_dir, api_key=api_key,
                     settings=cfg.model_dump())
+    gc.freeze()  # the model, libraries and app live on: collections skip them (a full one took ~0.2 s)
     try:
         asyncio.run(_run_uvicorn(app, sock, host, scheduler))
     finally:
