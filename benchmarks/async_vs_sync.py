@@ -9,7 +9,8 @@ each (trained samples / summed step time), learning at equal samples (reward ove
 and final greedy eval accuracy), and a PNG of both learning curves (reward vs trained samples).
 The last line is the samples-per-second ratio.
 
-    python benchmarks/async_vs_sync.py [--steps 40] [--quick] [--in-flight finish|resume] [--out DIR]
+    python benchmarks/async_vs_sync.py [--steps 40] [--quick] [--in-flight finish|resume]
+                                       [--seed 0] [--out DIR]
 """
 from __future__ import annotations
 
@@ -45,12 +46,13 @@ def warm_model(work: Path, quick: bool) -> Path:
     return folder
 
 
-def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "finish") -> Path:
+def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "finish",
+           seed: int = 0) -> Path:
     cfg = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
     cfg["model"] = {"name": "hf", "path": str(model)}
     cfg["run"].pop("warm_start")
     cfg["run"].update(steps=steps, out_dir=str(out), eval_every=steps, checkpoint_every=steps,
-                      threads=1, mode=mode)
+                      threads=1, mode=mode, seed=seed)
     cfg["trainer"]["warmup_steps"] = 0
     # the recipe's dynamic sampling stays on (groups whose rewards are all equal are dropped and
     # the batch is refilled), so rollout costs about what training does; enough refill rounds that
@@ -111,6 +113,8 @@ def main() -> None:
     ap.add_argument("--in-flight", default="finish", choices=["finish", "resume"],
                     help="async: requests in flight at a weight push finish on the old weights, or "
                          "are aborted and resumed on the new ones (rollout.in_flight)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="run.seed of both runs (the warm start keeps its own)")
     args = ap.parse_args()
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -126,7 +130,7 @@ def main() -> None:
 
             shutil.rmtree(out)
         print(f"{mode}: {steps} steps")
-        miles("train", str(recipe(model, mode, steps, out, args.in_flight)))
+        miles("train", str(recipe(model, mode, steps, out, args.in_flight, args.seed)))
         results[mode] = summary(out, rollout["n"], rollout["batch_size"])
     for mode, r in results.items():
         print(f"  {mode:5s}: {r['samples']} samples in {r['seconds']:.1f} s = {r['samples_per_s']:.1f} "
