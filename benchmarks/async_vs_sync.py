@@ -10,7 +10,10 @@ and final greedy eval accuracy), and a PNG of both learning curves (reward vs tr
 The last line is the samples-per-second ratio.
 
     python benchmarks/async_vs_sync.py [--steps 40] [--quick] [--in-flight finish|resume]
-                                       [--seed 0] [--out DIR]
+                                       [--seed 0] [--device cpu|cuda] [--out DIR]
+
+``--device cuda`` (a GPU pair): the engine worker on GPU 1, the trainer on GPU 0, weights pushed
+over NCCL by the broadcast transport; the warm start still runs on the CPU.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def warm_model(work: Path, quick: bool) -> Path:
 
 
 def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "finish",
-           seed: int = 0) -> Path:
+           seed: int = 0, device: str = "cpu") -> Path:
     cfg = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
     cfg["model"] = {"name": "hf", "path": str(model)}
     cfg["run"].pop("warm_start")
@@ -61,6 +64,9 @@ def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "fini
     if mode == "async":
         cfg["rollout"]["in_flight"] = in_flight
     cfg["launcher"] = {"name": "local", "engines": 1, "engine_threads": 1}
+    if device == "cuda":  # the engine on GPU 1, the trainer on GPU 0, weights over NCCL
+        cfg["launcher"].update(engine_devices=[1], trainer_devices=[0])
+        cfg["sync"] = {"name": "broadcast"}
     cfg["loggers"] = [{"name": "console", "every": 10}]
     path = out.parent / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -83,7 +89,7 @@ def summary(out: Path, n: int, batch: int) -> dict:
             "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in steps) / len(steps)}
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, device: str) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -98,7 +104,7 @@ def plot(results: dict, path: Path) -> None:
         ax.plot(xs, ys, label=f"{mode} ({r['samples_per_s']:.0f} samples/s)")
     ax.set_xlabel("trained samples")
     ax.set_ylabel("reward_mean")
-    ax.set_title("miles: sync vs async GRPO (quickstart task, 1 engine + 1 trainer process)")
+    ax.set_title(f"miles: sync vs async GRPO (quickstart task, 1 engine + 1 trainer, {device})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -115,6 +121,8 @@ def main() -> None:
                          "are aborted and resumed on the new ones (rollout.in_flight)")
     ap.add_argument("--seed", type=int, default=0,
                     help="run.seed of both runs (the warm start keeps its own)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: engine on GPU 1, trainer on GPU 0 (needs two GPUs)")
     args = ap.parse_args()
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -130,7 +138,7 @@ def main() -> None:
 
             shutil.rmtree(out)
         print(f"{mode}: {steps} steps")
-        miles("train", str(recipe(model, mode, steps, out, args.in_flight, args.seed)))
+        miles("train", str(recipe(model, mode, steps, out, args.in_flight, args.seed, args.device)))
         results[mode] = summary(out, rollout["n"], rollout["batch_size"])
     for mode, r in results.items():
         print(f"  {mode:5s}: {r['samples']} samples in {r['seconds']:.1f} s = {r['samples_per_s']:.1f} "
@@ -139,7 +147,7 @@ def main() -> None:
     s, a = results["sync"], results["async"]
     print(f"  learning at equal samples: async - sync reward (last quarter) {a['reward_tail'] - s['reward_tail']:+.3f}, "
           f"final eval accuracy {a['eval_last'] - s['eval_last']:+.3f}")
-    plot(results, work / "async_vs_sync.png")
+    plot(results, work / f"async_vs_sync_{args.device}.png", args.device)
     print(f"async_vs_sync samples/s ratio: {a['samples_per_s'] / s['samples_per_s']:.2f}x "
           f"(async {a['samples_per_s']:.1f} vs sync {s['samples_per_s']:.1f} samples/s)")
 

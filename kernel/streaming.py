@@ -309,7 +309,8 @@ def reweight(loop: Any, batch: Any, logprobs: Any) -> tuple[Any, dict[str, float
         return batch, {}
     import torch
 
-    stale = torch.tensor([loop.version - s.weight_version >= oldest for s in batch.samples])
+    stale = torch.tensor([loop.version - s.weight_version >= oldest for s in batch.samples],
+                         device=logprobs.device)
     if not stale.any():
         return batch, {}
     prox = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
