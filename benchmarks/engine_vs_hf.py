@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cuda 1, cpu 7)")
     for key in ("prompts", "prompt_len", "new_tokens"):
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="override the shape")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU: torch threads of both sides (the engine splits its rows among as many "
+                         "workers, generate runs its ops on as many intra-op threads)")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (generate: num_return_sequences)")
     args = ap.parse_args()
     import torch
@@ -120,7 +123,7 @@ def main() -> None:
         shape[key] = getattr(args, key) or shape[key]
     repeats = args.repeats or (7 if device == "cpu" else 1)
     if device == "cpu":
-        torch.set_num_threads(1)  # a tiny model gains nothing from threads on a shared machine
+        torch.set_num_threads(args.threads)
     model = build(device)
     P, T, N, S = shape["prompts"], shape["prompt_len"], shape["new_tokens"], args.n
     g = torch.Generator().manual_seed(0)
@@ -158,7 +161,7 @@ def main() -> None:
         times["generate"].append(timed(hf_run, device))
     rate = {name: P * S * N / min(t for t, _ in ts) for name, ts in times.items()}
     cpu = {name: min(c for _, c in ts) for name, ts in times.items()}
-    where = torch.cuda.get_device_name(device) if device != "cpu" else "CPU, 1 thread"
+    where = torch.cuda.get_device_name(device) if device != "cpu" else f"CPU, {args.threads} thread(s)"
     print(f"{where}: {P} prompts x {T} tokens, {S} sample(s) of {N} new tokens each, {shape['dtype']}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     for name, ts in times.items():
