@@ -121,15 +121,20 @@ class SGLangEngine:
         sample-major (all prompts' first samples, then the second ...; ``GenerateReqInput.
         _expand_inputs`` in ``managers/io_struct.py``)."""
         sampling = _sampling(params, n)
+        seeds = None
         if params.seed is not None and self.cfg.seeded_requests:  # distinct per prompt, reproducible per call
-            sampling = [{**sampling, "sampling_seed": params.seed + offset + i} for i in range(len(prompts))]
+            seeds = [params.seed + offset + i for i in range(len(prompts))]
+            sampling = [{**sampling, "sampling_seed": seed} for seed in seeds]
         outs, pauses = await self._post(prompts, sampling)
         B = len(prompts)
         if len(outs) != B * n:
             raise MilesError(f"/generate answered {len(outs)} outputs for {B} prompts x n={n}")
         groups = [[self._completion(outs[j * B + i]) for j in range(n)] for i in range(B)]
         if pauses != self._pauses:  # our pause_generation(mode="abort") may have cut some short
-            await self._resume([(p, c) for p, g in zip(prompts, groups) for c in g], params)
+            # a resumed piece's seed: its prompt's, its sample's index and the round mixed in
+            pieces = [(p, c, None if seeds is None else seeds[i] * 1_000_003 + j * 1009)
+                      for i, (p, g) in enumerate(zip(prompts, groups)) for j, c in enumerate(g)]
+            await self._resume(pieces, params)
         return groups
 
     async def _post(self, prompts: list[list[int]], sampling: Any) -> tuple[list[dict], int]:
@@ -142,19 +147,27 @@ class SGLangEngine:
         data, _ = await self.router.post("/generate", body)
         return (data if isinstance(data, list) else [data]), pauses
 
-    async def _resume(self, pairs: list[tuple[list[int], Completion]], params: SamplingParams) -> None:
+    async def _resume(self, pieces: list[tuple[list[int], Completion, int | None]],
+                      params: SamplingParams) -> None:
         """Partial rollout: each completion our pause aborted goes on from prompt + its tokens
         with the tokens it has left, on the weights loaded before generation continued; the
-        pieces are joined in place (again, if another pause cuts the rest short)."""
-        todo = [(p, c) for p, c in pairs if c.finish_reason == "abort"]
+        pieces are joined in place (again, if another pause cuts the rest short). A piece with a
+        seed (``seeded_requests``) sends a ``sampling_seed`` of its own in every round."""
+        todo = [(p, c, seed) for p, c, seed in pieces if c.finish_reason == "abort"]
+        rounds = 0
         while todo:
-            left = [max(0, params.max_new_tokens - len(c.token_ids)) for _, c in todo]
-            sampling = [{**_sampling(params, 1), "max_new_tokens": k} for k in left]
-            outs, pauses = await self._post([p + c.token_ids for p, c in todo], sampling)
-            for (_, c), out in zip(todo, outs):
+            rounds += 1
+            sampling = []
+            for _, c, seed in todo:
+                one = {**_sampling(params, 1), "max_new_tokens": max(0, params.max_new_tokens - len(c.token_ids))}
+                if seed is not None:
+                    one["sampling_seed"] = (seed + rounds) % 2**63
+                sampling.append(one)
+            outs, pauses = await self._post([p + c.token_ids for p, c, _ in todo], sampling)
+            for (_, c, _), out in zip(todo, outs):
                 _join(c, self._completion(out))
             paused_meanwhile = pauses != self._pauses
-            todo = [(p, c) for p, c in todo if c.finish_reason == "abort" and paused_meanwhile]
+            todo = [piece for piece in todo if piece[1].finish_reason == "abort" and paused_meanwhile]
 
     def _completion(self, out: dict) -> Completion:
         """A ``miles.Completion`` from one SGLang output: token ids and log-probs from

@@ -163,3 +163,29 @@ def test_pause_skips_an_unreachable_server():
         await r.close()
 
     asyncio.run(main())
+
+
+def test_resumed_pieces_of_seeded_requests_get_distinct_seeds_every_round():
+    """``seeded_requests``: an aborted completion resumes with a ``sampling_seed`` of its own (not
+    none, not its prompt's, which its siblings share); another round gets another one."""
+    from miles import SamplingParams
+
+    eng = SGLangEngine.__new__(SGLangEngine)  # only _resume's own state (a unit test of it)
+    eng._pauses, eng.weight_version, sent = 0, 0, []
+
+    async def post(prompts, sampling):  # a server that cuts the first round short again
+        sent.append(sampling)
+        if len(sent) == 1:
+            eng._pauses += 1
+            return [{"meta_info": {"finish_reason": {"type": "abort"}}}] * len(prompts), 0
+        out = {"meta_info": {"output_token_logprobs": [[-0.5, 4, ""]], "finish_reason": {"type": "length"}}}
+        return [out] * len(prompts), eng._pauses
+
+    eng._post = post
+    cut = [Completion([1], [-0.1], "abort", 0, [0]) for _ in range(2)]  # two samples of one prompt
+    pieces = [([5, 6], c, 11 * 1_000_003 + j * 1009) for j, c in enumerate(cut)]
+    asyncio.run(eng._resume(pieces, SamplingParams(1.0, 1.0, 0, 3, [], seed=11)))
+    seeds = [[s["sampling_seed"] for s in round_] for round_ in sent]
+    assert len(sent) == 2 and all(len(set(r)) == 2 for r in seeds)  # the siblings differ
+    assert set(seeds[0]).isdisjoint(seeds[1]) and 11 not in seeds[0] + seeds[1]
+    assert [c.token_ids for c in cut] == [[1, 4], [1, 4]] and sent[1][0]["max_new_tokens"] == 2
