@@ -105,9 +105,6 @@ class SyncMode:
     def lock_engines(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def resynced(self) -> None:
-        pass
-
     def close(self) -> None:
         pass
 

@@ -249,8 +249,7 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
                         "while generating)")
     if run is not None and run.warm_start is not None:
         ws = run.warm_start
-        if ws.algorithm not in pm.registry("algorithms"):
-            problems.append(f"run.warm_start.algorithm: unknown algorithm {ws.algorithm!r}")
+        registered(pm, "algorithms", "run.warm_start.algorithm", ws.algorithm, problems)
         trainer_name = components["trainer"][0]
         if trainer_name in pm.registry("trainers"):
             merged = {**{k: v for k, v in (data.get("trainer") or {}).items() if k != "name"}, **ws.trainer}
@@ -261,14 +260,12 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
     if not isinstance(raw_loggers, list):
         problems.append("loggers: must be a list of logger names or {name: ...} mappings")
         raw_loggers = []
-    registry = pm.registry("loggers")
     for i, item in enumerate(raw_loggers):
         entry = {"name": item} if isinstance(item, str) else dict(item or {})
         name = entry.pop("name", None)
-        if name not in registry:
-            problems.append(f"loggers[{i}]: unknown logger {name!r}; registered: {', '.join(sorted(registry))}")
-            continue
-        loggers.append((name, validate_settings(registry[name].config, f"loggers[{i}]", entry, problems)))
+        if registered(pm, "loggers", f"loggers[{i}]", name, problems):
+            settings = pm.registry("loggers")[name].config
+            loggers.append((name, validate_settings(settings, f"loggers[{i}]", entry, problems)))
     plugins = data.get("plugins") or []
     if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
         problems.append("plugins: must be a list of module names or .py paths")

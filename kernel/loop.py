@@ -326,8 +326,7 @@ class Loop:
                     kind, out = self.share(("resync", None))
             if kind == "data":
                 return out
-            self.sync()
-            self.mode.resynced()
+            self.sync()  # then rank 0 takes again
 
     def _after_update(self, t_train: float) -> dict[str, Any]:
         """Timing of the update just made, then a new weight version pushed to the engines."""

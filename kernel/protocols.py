@@ -160,16 +160,16 @@ class Mode(Protocol):
 
     ``take(rng, params)``: rank 0, once per RL step: the step's kept groups and its rollout
     metrics (at least ``reward_mean``, ``groups_kept``, ``groups_dropped``, ``rollout_seconds``);
-    an ``EngineRestarted`` makes every rank re-sync the weights, then ``resynced()`` is called and
-    ``take`` asked again. ``push(trainer, engines, version, wait)``: every rank: the trainer's
-    weights to the engines as ``version`` through the run's transport, returning its metrics;
-    ``wait=False`` (the push after a training step) lets the mode finish it later, and
+    on ``EngineRestarted`` every rank pushes the weights again, then ``take`` is asked again.
+    ``push(trainer, engines, version, wait)``: every rank: the trainer's weights to the engines
+    as ``version`` through the run's transport; returns its metrics with the engines holding the
+    weights, unless ``wait=False`` (the push after a training step) lets the mode finish it later.
     ``finish_push()`` (before an evaluation, before the next push and at the end of the run)
-    waits for it and returns its metrics (``{}`` when none was pending). ``reweight(batch,
-    logprobs)``: every rank, in each loss call: the batch the loss sees and extra metrics (e.g.
-    importance weights of samples from older weights). ``lock_engines()``: a context manager the
-    loop holds around each use of the engines (rollout, scoring). ``close()``: at the end of the
-    run, also after an error.
+    waits for such a push and returns its metrics (``{}`` when none was pending).
+    ``reweight(batch, logprobs)``: every rank, in each loss call: the batch the loss sees and
+    extra metrics (e.g. importance weights of samples from older weights). ``lock_engines()``: a
+    context manager the loop holds around each use of the engines (rollout, scoring).
+    ``close()``: at the end of the run, also after an error.
     """
 
     def take(self, rng: Any, params: SamplingParams) -> tuple[list[Group], dict[str, Any]]: ...
@@ -182,8 +182,6 @@ class Mode(Protocol):
     def reweight(self, batch: Batch, logprobs: "torch.Tensor") -> tuple[Batch, dict[str, float]]: ...
 
     def lock_engines(self) -> ContextManager[Any]: ...
-
-    def resynced(self) -> None: ...
 
     def close(self) -> None: ...
 

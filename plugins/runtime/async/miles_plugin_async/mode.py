@@ -50,7 +50,10 @@ class AsyncMode:
         done = self.finish_push()
         if wait or not self.loop.p.algorithm.uses_rollout:
             with self.lock, self.pushing(engines, version):
-                return {**done, **self.loop.p.transport.sync(trainer, engines, version)}
+                m = self.loop.p.transport.sync(trainer, engines, version)
+            if self.streamer is not None:  # running workers: only a re-sync after an engine restart
+                self.streamer.resynced.set()  # waits, and the workers stopped by it go on
+            return {**done, **m}
         t0 = time.perf_counter()
         snap = Snapshot(trainer)
 
@@ -91,11 +94,6 @@ class AsyncMode:
 
     def lock_engines(self) -> Any:
         return self.lock
-
-    def resynced(self) -> None:
-        """The engines have the current weights again: workers stopped by a restart go on."""
-        if self.streamer is not None:
-            self.streamer.resynced.set()
 
     def close(self) -> None:
         if self.streamer is not None:
