@@ -1,17 +1,19 @@
 """Built-in defaults, registered through the same hooks as any plugin: the single-turn rollout
-(``trylast``) and the ``console`` and ``jsonl`` metric sinks."""
+(``trylast``), the ``sync`` run mode and the ``console`` and ``jsonl`` metric sinks."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import random
 import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .hookspecs import hookimpl
-from .types import SamplingParams, Sample, Status, Task
+from .types import Group, SamplingParams, Sample, Status, Task
 
 
 def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
@@ -56,6 +58,60 @@ def single_turn(tasks: list[Task], n: int, engine: Any, tokenizer: Any, params: 
 def miles_rollout(task, n, engine, env):
     """Default: one single-turn generation of ``n`` samples (the loop batches these calls)."""
     return single_turn([task], n, engine, engine.tokenizer, engine.sampling_params)[0]
+
+
+class SyncMode:
+    """``run.mode: sync``: roll out, train, push the new weights, in that order: every sample is
+    exactly on-policy. Every call happens on the trainer's thread (see ``miles.protocols.Mode``)."""
+
+    def __init__(self, cfg: Any = None, *, loop: Any):
+        self.loop = loop
+
+    def take(self, rng: random.Random, params: SamplingParams) -> tuple[list[Group], dict[str, Any]]:
+        """Roll out until ``rollout.batch_size`` groups pass the filters (bounded refill)."""
+        loop, r, t0 = self.loop, self.loop.cfg.rollout, time.perf_counter()
+        kept, sampled, dropped = [], [], 0
+        for _ in range(r.oversample_rounds + 1):
+            need = r.batch_size - len(kept)
+            tasks = rng.sample(loop.train_tasks, min(need, len(loop.train_tasks)))
+            groups = loop.rollout(tasks, r.n, params)
+            sampled += groups
+            for g in groups:
+                if loop.keep(g):
+                    kept.append(g)
+                else:
+                    dropped += 1
+            if len(kept) >= r.batch_size:
+                break
+        t_roll = time.perf_counter()
+        samples = [s for g in sampled for s in g.samples]
+        rewards = [s.reward for s in samples]
+        return kept, {
+            "reward_mean": sum(rewards) / len(rewards), "staleness_mean": 0.0,
+            "groups_kept": len(kept), "groups_dropped": dropped,
+            "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "tokens_per_second": sum(len(s.response_ids) for s in samples) / max(t_roll - t0, 1e-9),
+            "rollout_seconds": t_roll - t0}
+
+    def push(self, trainer: Any, engines: list, version: int, wait: bool = True) -> dict[str, float]:
+        return self.loop.p.transport.sync(trainer, engines, version)
+
+    def finish_push(self) -> dict[str, float]:
+        return {}
+
+    def reweight(self, batch: Any, logprobs: Any) -> tuple[Any, dict[str, float]]:
+        return batch, {}
+
+    def lock_engines(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+@hookimpl
+def miles_register_modes(register):
+    register("sync", SyncMode)
 
 
 class ConsoleConfig(BaseModel):

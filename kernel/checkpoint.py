@@ -5,7 +5,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 STATE = "state.json"
 
@@ -25,13 +25,6 @@ def latest(out_dir: str) -> tuple[Path, dict[str, Any]] | None:
         except (OSError, ValueError):
             continue  # an incomplete folder cannot exist (atomic rename) unless edited by hand
     return None
-
-
-def save(out_dir: str, step: int, state: dict[str, Any], write: Callable[[str], None], keep: int) -> Path:
-    """Write a checkpoint atomically: fill a temp folder, fsync, rename, then prune old ones."""
-    tmp = begin(out_dir, step)
-    write(str(tmp))
-    return commit(tmp, step, state, keep)
 
 
 def begin(out_dir: str, step: int) -> Path:

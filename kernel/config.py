@@ -47,9 +47,9 @@ class RunConfig(Strict):
     warm_start: WarmStartConfig | None = Field(None, description="optional supervised warm start")
     max_nonfinite_steps: int = Field(3, gt=0, description="consecutive steps with a NaN/inf loss "
                                      "(each skipped by the trainer) that end the run")
-    mode: Literal["sync", "async"] = Field("sync", description="sync: rollout then train, exactly "
-                                           "on-policy; async: rollout workers stream groups into a "
-                                           "bounded buffer while the trainer trains")
+    mode: str = Field("sync", description="a registered run mode. sync: rollout then train, exactly "
+                      "on-policy; async (miles-plugin-async): rollout workers stream groups into a "
+                      "bounded buffer while the trainer trains")
 
 
 class RolloutConfig(Strict):
@@ -94,6 +94,8 @@ KERNEL_SECTIONS: dict[str, type[BaseModel]] = {"run": RunConfig, "rollout": Roll
 DEFAULT_NAMES = {"model": "hf", "env": "arith", "engine": "torch", "algorithm": "grpo",
                  "trainer": "fsdp2", "sync": "tensor", "launcher": None}
 TOP_LEVEL = [*KERNEL_SECTIONS, *SECTION_KINDS, "loggers", "plugins"]
+# components that in-repo plugin distributions provide, for "not installed" errors
+PROVIDERS = {("modes", "async"): "miles-plugin-async"}
 
 
 @dataclass
@@ -194,13 +196,21 @@ def validate_section(pm: MilesPluginManager, section: str, raw: Any, problems: l
         if raw:
             problems.append(f"{section}: settings given but no {section}.name")
         return None, None
-    registry = pm.registry(kind)
-    if name not in registry:
-        known = ", ".join(sorted(registry)) or "none installed"
-        problems.append(f"{section}.name: unknown {kind[:-1].replace('_', ' ')} {name!r}; "
-                        f"registered: {known} (install or --plugin the plugin that provides it)")
+    if not registered(pm, kind, f"{section}.name", name, problems):
         return name, None
-    return name, validate_settings(registry[name].config, section, raw, problems)
+    return name, validate_settings(pm.registry(kind)[name].config, section, raw, problems)
+
+
+def registered(pm: MilesPluginManager, kind: str, key: str, name: Any, problems: list[str]) -> bool:
+    """Whether ``name`` is a registered component of ``kind``; if not, a problem naming ``key``."""
+    registry = pm.registry(kind)
+    if name in registry:
+        return True
+    known = ", ".join(sorted(registry)) or "none installed"
+    dist = PROVIDERS.get((kind, name))
+    fix = f"pip install {dist}, which provides it" if dist else "install or --plugin the plugin that provides it"
+    problems.append(f"{key}: unknown {kind[:-1].replace('_', ' ')} {name!r}; registered: {known} ({fix})")
+    return False
 
 
 def validate_settings(model: type[BaseModel] | None, prefix: str, raw: dict, problems: list[str]):
@@ -230,6 +240,8 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
             problems.extend(_pydantic_problems(section, e, model))
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
     run, rollout, warm_trainer = kernel.get("run"), kernel.get("rollout"), None
+    if run is not None:
+        registered(pm, "modes", "run.mode", run.mode, problems)
     if run is not None and rollout is not None and rollout.true_on_policy and run.mode != "sync":
         problems.append("rollout.true_on_policy: needs run.mode sync (async rollouts come from older weights)")
     if run is not None and rollout is not None and rollout.in_flight == "resume" and run.mode != "async":
@@ -237,8 +249,7 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
                         "while generating)")
     if run is not None and run.warm_start is not None:
         ws = run.warm_start
-        if ws.algorithm not in pm.registry("algorithms"):
-            problems.append(f"run.warm_start.algorithm: unknown algorithm {ws.algorithm!r}")
+        registered(pm, "algorithms", "run.warm_start.algorithm", ws.algorithm, problems)
         trainer_name = components["trainer"][0]
         if trainer_name in pm.registry("trainers"):
             merged = {**{k: v for k, v in (data.get("trainer") or {}).items() if k != "name"}, **ws.trainer}
@@ -249,14 +260,12 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
     if not isinstance(raw_loggers, list):
         problems.append("loggers: must be a list of logger names or {name: ...} mappings")
         raw_loggers = []
-    registry = pm.registry("loggers")
     for i, item in enumerate(raw_loggers):
         entry = {"name": item} if isinstance(item, str) else dict(item or {})
         name = entry.pop("name", None)
-        if name not in registry:
-            problems.append(f"loggers[{i}]: unknown logger {name!r}; registered: {', '.join(sorted(registry))}")
-            continue
-        loggers.append((name, validate_settings(registry[name].config, f"loggers[{i}]", entry, problems)))
+        if registered(pm, "loggers", f"loggers[{i}]", name, problems):
+            settings = pm.registry("loggers")[name].config
+            loggers.append((name, validate_settings(settings, f"loggers[{i}]", entry, problems)))
     plugins = data.get("plugins") or []
     if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
         problems.append("plugins: must be a list of module names or .py paths")

@@ -139,3 +139,10 @@ def miles_register_launchers(register: Register) -> None:
 def miles_register_loggers(register: Register) -> None:
     """Register metric sinks: ``register(name, factory, config=Model)``. Called once;
     see ``miles.protocols.Logger``."""
+
+
+@hookspec
+def miles_register_modes(register: Register) -> None:
+    """Register run modes, selected by ``run.mode``: ``register(name, factory)``. Called once;
+    see ``miles.protocols.Mode``. The kernel registers ``sync``; ``async`` comes from the
+    ``miles-plugin-async`` distribution."""

@@ -7,7 +7,6 @@ receive each step's samples through ``trainer.broadcast_object`` and join every 
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import random
@@ -19,11 +18,12 @@ from typing import Any, Sequence
 
 import yaml
 
-from . import builtin, checkpoint, streaming
+from . import builtin, checkpoint
 from .builtin import encode_prompts, single_turn
 from .config import Config
 from .errors import EngineRestarted, MilesError
 from .plugins import MilesPluginManager, call_all, call_first
+from .protocols import Mode
 from .types import Batch, Group, Sample, SamplingParams, Task
 
 
@@ -71,12 +71,10 @@ class Loop:
         self.rank = int(os.environ.get("RANK", "0"))
         self.main = self.rank == 0
         self.stop_signal: int | None = None  # set by SIGINT/SIGTERM during run()
-        self.streamer: streaming.Streamer | None = None  # run.mode async, rank 0
-        self.engine_lock: Any = contextlib.nullcontext()
+        self.mode: Mode | None = None  # run.mode, made by build()
         self.bad_steps = self.nonfinite_total = 0
         self._previous: dict[int, Any] = {}
         self._synced_once = False
-        self._push: Any = None  # a background weight push in flight (async runs)
 
     # -- construction ------------------------------------------------------------------------------
     def build(self, with_engine: bool = True) -> Parts:
@@ -102,6 +100,7 @@ class Loop:
         self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens, stops)
         self.eval_params = SamplingParams(0.0, 1.0, 0, r.eval_max_new_tokens or r.max_new_tokens, stops)
         self.train_tasks = list(env.tasks("train"))
+        self.mode = pm.create("modes", cfg.run.mode, None, loop=self)
         return self.p
 
     def make_trainer(self, settings: Any, algorithm: Any) -> Any:
@@ -112,7 +111,7 @@ class Loop:
     # -- rollout, rewards, evaluation --------------------------------------------------------------
     def rollout(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
         """Custom ``miles_rollout`` hooks first; tasks nobody claims go to one batched call."""
-        with self.engine_lock:
+        with self.mode.lock_engines():
             return self._rollout(tasks, n, params)
 
     def _rollout(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
@@ -134,6 +133,10 @@ class Loop:
                 self.score(s)
         return groups
 
+    def keep(self, g: Group) -> bool:
+        """Whether a group is trained on: the algorithm's own filter and every ``miles_filter``."""
+        return self.p.algorithm.keep(g) and False not in call_all(self.pm, "miles_filter", group=g)
+
     def score(self, s: Sample) -> None:
         r = call_first(self.pm, "miles_reward", sample=s)
         if r is None:
@@ -142,7 +145,7 @@ class Loop:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the eval split (rank 0; the other ranks get ``{}``)."""
-        streaming.finish_push(self)
+        self.mode.finish_push()
         if not self.main:
             return {}
         tasks = list(self.p.env.tasks("eval"))
@@ -151,21 +154,15 @@ class Loop:
         return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
                 "eval_reward_mean": sum(rewards) / max(len(rewards), 1)}
 
-    def sync(self, background: bool = False) -> dict[str, float]:
-        """Push the trainer's weights to the engines as ``self.version``. ``background`` (async
-        runs): the weights are copied, then pushed on a thread while the trainer goes on with the
-        next step; the next push, an evaluation and the end of the run wait for it."""
-        done = streaming.finish_push(self)
+    def sync(self, wait: bool = True) -> dict[str, float]:
+        """Push the trainer's weights to the engines as ``self.version``, through the run mode:
+        ``wait=False`` (a training step's push) lets it finish later (``Mode.push``)."""
         engines = [self.p.engine] if self.p.engine is not None else []
         trainer, keep = self.p.trainer, getattr(self.p.spec, "sync_filter", None)
         if keep is not None and self._synced_once:  # e.g. LoRA: the frozen base went with the first sync
             trainer = SyncView(trainer, keep)
         self._synced_once = True
-        if not background:
-            with self.engine_lock, streaming.pushing(self, engines, self.version):
-                return {**done, **self.p.transport.sync(trainer, engines, self.version)}
-        self._push, m = streaming.push_in_background(self, trainer, engines)
-        return {**done, **m}
+        return self.mode.push(trainer, engines, self.version, wait)
 
     def share(self, obj: Any) -> Any:
         """``obj`` as rank 0 has it, on every trainer rank."""
@@ -188,7 +185,7 @@ class Loop:
         pm = self.pm
 
         def fn(batch: Batch, logprobs):
-            batch, extra = streaming.reweight(self, batch, logprobs)  # async: stale samples
+            batch, extra = self.mode.reweight(batch, logprobs)  # e.g. async: stale samples
             custom = call_first(pm, "miles_loss", batch=batch, logprobs=logprobs)
             loss, metrics = custom if custom is not None else algorithm.loss(batch, logprobs)
             if batch.samples and batch.samples[0].logprobs:
@@ -241,7 +238,7 @@ class Loop:
             raise MilesError(f"rollout.true_on_policy needs a trainer with response_logprobs and an "
                              f"engine with score(batch, fn); {self.cfg.name('trainer')!r} / "
                              f"{self.cfg.name('engine')!r} lack them")
-        with self.engine_lock:
+        with self.mode.lock_engines():
             lp = self.share(self.p.engine.score(mb, fn) if self.main else None)
         return replace(mb, rollout_logprobs=lp, old_logprobs=lp)
 
@@ -306,7 +303,7 @@ class Loop:
             m.update(self._after_update(t0), reward_mean=sum(s.reward for s in samples) / n)
             return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
         params = replace(self.params, seed=rng.randrange(2**31))
-        kept, m = self.gather(self.streamer.take if self.streamer else lambda: self.collect(rng, params))
+        kept, m = self.gather(lambda: self.mode.take(rng, params))
         t_roll = time.perf_counter()
         if kept:  # a step whose groups were all dropped is logged without an update
             advs = [a for per_group in algo.advantages(kept) for a in per_group]
@@ -329,41 +326,13 @@ class Loop:
                     kind, out = self.share(("resync", None))
             if kind == "data":
                 return out
-            self.sync()
-            if self.streamer is not None:
-                self.streamer.resynced.set()
-
-    def collect(self, rng: random.Random, params: SamplingParams) -> tuple[list[Group], dict[str, Any]]:
-        """Roll out until ``rollout.batch_size`` groups pass the filters (bounded refill)."""
-        cfg, algo, t0 = self.cfg, self.p.algorithm, time.perf_counter()
-        kept, sampled, dropped = [], [], 0
-        for _ in range(cfg.rollout.oversample_rounds + 1):
-            need = cfg.rollout.batch_size - len(kept)
-            tasks = rng.sample(self.train_tasks, min(need, len(self.train_tasks)))
-            groups = self.rollout(tasks, cfg.rollout.n, params)
-            sampled += groups
-            for g in groups:
-                if algo.keep(g) and False not in call_all(self.pm, "miles_filter", group=g):
-                    kept.append(g)
-                else:
-                    dropped += 1
-            if len(kept) >= cfg.rollout.batch_size:
-                break
-        t_roll = time.perf_counter()
-        samples = [s for g in sampled for s in g.samples]
-        rewards = [s.reward for s in samples]
-        return kept, {
-            "reward_mean": sum(rewards) / len(rewards), "staleness_mean": 0.0,
-            "groups_kept": len(kept), "groups_dropped": dropped,
-            "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            "tokens_per_second": sum(len(s.response_ids) for s in samples) / max(t_roll - t0, 1e-9),
-            "rollout_seconds": t_roll - t0}
+            self.sync()  # then rank 0 takes again
 
     def _after_update(self, t_train: float) -> dict[str, Any]:
         """Timing of the update just made, then a new weight version pushed to the engines."""
         m = {"train_seconds": time.perf_counter() - t_train}
         self.version += 1
-        m.update(self.sync(background=self.cfg.run.mode == "async" and self.p.algorithm.uses_rollout))
+        m.update(self.sync(wait=False))
         return m
 
     def _check_finite(self, step: int, m: dict[str, Any]) -> None:
@@ -451,7 +420,6 @@ class Loop:
                 yaml.safe_dump(cfg.raw, f, sort_keys=False)
         self._catch_signals()
         self.build()
-        streaming.check_engine(self)
         start = self.restore()
         self.open_loggers()
         history = []
@@ -472,7 +440,6 @@ class Loop:
             else:
                 self.console(f"resuming from step {start - 1} in {cfg.run.out_dir}")
             gc.freeze()  # the run's long-lived objects: collections skip them (a full one took ~0.2 s)
-            self.streamer = streaming.start(self)
             for step in range(start, cfg.run.steps + 1):
                 m = self.rl_step(step)
                 self._check_finite(step, m)
@@ -488,11 +455,10 @@ class Loop:
                     raise Interrupted(f"{signal.Signals(self.stop_signal or signal.SIGTERM).name} after "
                                       f"step {step}: checkpoint written; rerun the same command to resume "
                                       f"from {cfg.run.out_dir}", 128 + (self.stop_signal or signal.SIGTERM))
-            streaming.finish_push(self)  # the engines end on the last version
+            self.mode.finish_push()  # the engines end on the last version
         finally:
             gc.unfreeze()
-            if self.streamer is not None:
-                self.streamer.close()
+            self.mode.close()
             self._restore_signals()
             for lg in self.loggers:
                 lg.close()

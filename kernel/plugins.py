@@ -16,7 +16,8 @@ from . import hookspecs
 from .errors import PluginError
 
 GROUP = "miles.plugins"
-KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs", "launchers", "loggers")
+KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs", "launchers", "loggers",
+         "modes")
 # config section -> registry kind, for sections that select a component by ``name``
 SECTION_KINDS = {"model": "model_specs", "env": "envs", "engine": "engines", "algorithm": "algorithms",
                  "trainer": "trainers", "sync": "transports", "launcher": "launchers"}

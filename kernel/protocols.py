@@ -7,7 +7,8 @@ keyword context listed on each protocol below.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence,
+                    runtime_checkable)
 
 from .types import Batch, Completion, Group, SamplingParams, Sample, Task
 
@@ -148,6 +149,41 @@ class Algorithm(Protocol):
     def advantages(self, groups: Sequence[Group]) -> list[list[Any]]: ...
 
     def loss(self, batch: Batch, logprobs: "torch.Tensor") -> "tuple[torch.Tensor, dict[str, float]]": ...
+
+
+@runtime_checkable
+class Mode(Protocol):
+    """How rollout and training interleave (``run.mode``). Factory context: ``loop`` (the run's
+    ``miles.loop.Loop``: a mode reads its ``cfg``, ``pm``, ``p`` (the components), ``version``,
+    ``seed``, ``main``, ``params`` and ``train_tasks``, and calls ``rollout``, ``keep``, ``console``).
+    Built by ``Loop.build`` on every trainer rank, once the other components exist.
+
+    ``take(rng, params)``: rank 0, once per RL step: the step's kept groups and its rollout
+    metrics (at least ``reward_mean``, ``groups_kept``, ``groups_dropped``, ``rollout_seconds``);
+    on ``EngineRestarted`` every rank pushes the weights again, then ``take`` is asked again.
+    ``push(trainer, engines, version, wait)``: every rank: the trainer's weights to the engines
+    as ``version`` through the run's transport; returns its metrics with the engines holding the
+    weights, unless ``wait=False`` (the push after a training step) lets the mode finish it later.
+    ``finish_push()`` (before an evaluation, before the next push and at the end of the run)
+    waits for such a push and returns its metrics (``{}`` when none was pending).
+    ``reweight(batch, logprobs)``: every rank, in each loss call: the batch the loss sees and
+    extra metrics (e.g. importance weights of samples from older weights). ``lock_engines()``: a
+    context manager the loop holds around each use of the engines (rollout, scoring).
+    ``close()``: at the end of the run, also after an error.
+    """
+
+    def take(self, rng: Any, params: SamplingParams) -> tuple[list[Group], dict[str, Any]]: ...
+
+    def push(self, trainer: Trainer, engines: Sequence[Engine], version: int,
+             wait: bool = True) -> dict[str, float]: ...
+
+    def finish_push(self) -> dict[str, float]: ...
+
+    def reweight(self, batch: Batch, logprobs: "torch.Tensor") -> tuple[Batch, dict[str, float]]: ...
+
+    def lock_engines(self) -> ContextManager[Any]: ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable

@@ -89,3 +89,18 @@ def test_rollout_in_flight(pm, cli, tmp_path):
     r = cli("train", TINY, f"run.out_dir={tmp_path}", "run.mode=async", "rollout.in_flight=resume")
     assert r.returncode == 2 and "rollout.in_flight: resume needs engines in their own processes" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_run_mode_is_one_of_the_registered_modes(pm):
+    assert resolve(pm, apply_overrides(read_yaml(TINY), ["run.mode=async"])).run.mode == "async"
+    assert _problems(pm, apply_overrides(read_yaml(TINY), ["run.mode=overlap"])) == [
+        "run.mode: unknown mode 'overlap'; registered: async, sync (install or --plugin the plugin "
+        "that provides it)"]
+    # async is the miles-plugin-async distribution's: without it, the error says what to install
+    bare = make_plugin_manager(extra=["miles_plugin_hf", "miles_plugin_arith", "miles_plugin_grpo",
+                                      "miles_plugin_torch_engine", "miles_plugin_fsdp2",
+                                      "miles_plugin_tensor", "miles_plugin_sft"], autoload=False)
+    assert resolve(bare, read_yaml(TINY)).run.mode == "sync"
+    assert _problems(bare, apply_overrides(read_yaml(TINY), ["run.mode=async"])) == [
+        "run.mode: unknown mode 'async'; registered: sync (pip install miles-plugin-async, which "
+        "provides it)"]

@@ -4,8 +4,7 @@ engines (receiving side).
 Both ends of a transport must agree on byte layouts, checksums and the on-disk format without
 importing each other's plugin, so those pieces live here, once (a library, not a plugin: it
 registers nothing). torch (and safetensors) are imported inside the functions: importing this
-module stays free. ``Calls``, ``is_sender`` and ``nbytes`` are the kernel's (``miles.weights``,
-used by the async loop's background push), re-exported here.
+module stays free.
 
 * names and bytes: ``dtype_name``/``to_dtype`` (dtype strings without ``torch.``, as SGLang
   sends them), ``nbytes``, ``checksum`` (blake2b-128 of the raw bytes: exact for every dtype);
@@ -13,6 +12,8 @@ used by the async loop's background push), re-exported here.
 * packing: ``layout``/``pack``/``views`` place tensors of any dtypes in one uint8 buffer at
   ``ALIGN``-byte offsets (both ends compute the offsets from dtypes and shapes alone);
   ``wire_plan`` says which tensors of a broadcast bucket travel packed and which on their own;
+* calls to engines: ``Calls``/``parallel`` run them concurrently on daemon threads (a push in
+  the background is one ``Calls``); ``is_sender``: the trainer rank that talks to engines;
 * verification: ``engine_checksums`` + ``expect_same`` (raise ``MilesError`` naming the first
   tensor that differs);
 * process groups: ``open_store``/``new_group``/``broadcast_all`` build a group of their own (a TCP
@@ -34,7 +35,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from miles.errors import MilesError
-from miles.weights import Calls, is_sender, nbytes  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -59,6 +59,10 @@ def to_dtype(name: str) -> "torch.dtype":
         raise MilesError(f"weight sync: unknown dtype {name!r} (expected a torch dtype name such as "
                          "'float32' or 'bfloat16')")
     return dtype
+
+
+def nbytes(t: "torch.Tensor") -> int:
+    return t.numel() * t.element_size()
 
 
 def checksum(t: "torch.Tensor") -> str:
@@ -186,11 +190,55 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+class Calls:
+    """Zero-argument calls running concurrently on daemon threads (remote engines block on a
+    rendezvous or a transfer while this thread takes part in it). ``check()`` raises the first
+    error as soon as there is one; ``join()`` waits for all and returns their results. Daemon
+    threads: a call stuck on a dead peer never keeps the process from exiting."""
+
+    def __init__(self, calls: Sequence[Any]):
+        import threading
+
+        self.results: list[Any] = [None] * len(calls)
+        self._error: BaseException | None = None
+        self._left = len(calls)
+        self._done = threading.Condition()
+        for i, call in enumerate(calls):
+            threading.Thread(target=self._run, args=(i, call), daemon=True).start()
+
+    def _run(self, i: int, call: Any) -> None:
+        try:
+            self.results[i] = call()
+        except BaseException as e:  # noqa: BLE001 - re-raised by check()/join()
+            with self._done:
+                self._error = self._error or e
+        with self._done:
+            self._left -= 1
+            self._done.notify_all()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def join(self, timeout_s: float | None = None) -> list[Any]:
+        with self._done:
+            ok = self._done.wait_for(lambda: self._left == 0 or self._error is not None, timeout_s)
+        self.check()
+        if not ok:
+            raise MilesError(f"weight sync: engines did not answer within {timeout_s:.0f} s")
+        return self.results
+
+
 def parallel(calls: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
     """Run ``calls`` concurrently (inline when there is one) and return their results."""
     if len(calls) == 1 and timeout_s is None:
         return [calls[0]()]
     return Calls(calls).join(timeout_s)
+
+
+def is_sender(trainer: Any) -> bool:
+    """Only trainer rank 0 talks to engines; other ranks just take part in ``named_weights()``."""
+    return int(getattr(trainer, "rank", 0) or 0) == 0
 
 
 def is_remote(engine: Any) -> bool:

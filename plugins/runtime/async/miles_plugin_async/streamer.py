@@ -1,12 +1,9 @@
-"""``run.mode: async``: rollout workers stream finished groups into a bounded buffer that the
-trainer drains at its own pace; new weights reach the engines after every step while generation
-goes on. The workers are paced: they generate no group that would be more than
-``rollout.max_staleness`` weight versions old when the trainer takes it. Groups that still are
-(the trainer slowed down) are dropped or kept (``rollout.stale_policy``); a sample's age is that
-of its oldest tokens (``Sample.weight_version``). Samples from older weights than the trainer's
-are trained with truncated importance weights (``rollout.correct_stale``). Requests in flight at
-a weight push finish on the old weights, or (``rollout.in_flight: resume``) are aborted and
-resumed on the new ones by the engine client.
+"""The rollout workers of ``run.mode: async``: producer threads that keep requests in flight at
+the engines and put finished groups into a bounded buffer, paced so that no group is generated
+that would be more than ``rollout.max_staleness`` weight versions old when the trainer takes it;
+and the trainer's side, ``take``. Groups that still are (the trainer slowed down) are dropped or
+kept (``rollout.stale_policy``); a sample's age is that of its oldest tokens
+(``Sample.weight_version``).
 """
 from __future__ import annotations
 
@@ -16,13 +13,10 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from .errors import ConfigError, EngineRestarted, MilesError
-from .plugins import call_all
-from .types import Group
+from miles import EngineRestarted, Group, MilesError
 
 # pacing: groups generated beyond the expected need (the share the filters drop varies), and
 # beyond what a take still lacks (a few groups may all be filtered out)
@@ -171,7 +165,7 @@ class Streamer:
                 lag = loop.version - min(s.weight_version for s in g.samples)
                 if lag > r.max_staleness and r.stale_policy == "drop":
                     c["stale"] += 1
-                elif loop.p.algorithm.keep(g) and False not in call_all(loop.pm, "miles_filter", group=g):
+                elif loop.keep(g):
                     kept.append(g)
                     lags.append(lag)
                 else:
@@ -218,109 +212,3 @@ class Streamer:
                 return self.buffer.get(timeout=0.1)
             except queue.Empty:
                 continue
-
-
-class Snapshot:
-    """A trainer's weights copied at one version (the next optimizer step changes them in place),
-    as a transport reads a trainer. ``named_weights`` is a collective: every rank takes part, only
-    the sending rank keeps a copy."""
-
-    rank = 0
-
-    def __init__(self, trainer: Any):
-        from .weights import is_sender, nbytes
-
-        keep = is_sender(trainer)
-        self.weights = [(n, t.detach().clone()) for n, t in trainer.named_weights() if keep]
-        self.nbytes = sum(nbytes(t) for _, t in self.weights)
-
-    def named_weights(self) -> Iterator[tuple[str, Any]]:
-        return iter(self.weights)
-
-
-def push_in_background(loop: Any, trainer: Any, engines: list) -> tuple[Any, dict[str, float]]:
-    """Copy the trainer's weights, then push the copy as ``loop.version`` on a thread: the
-    ``Calls`` of that push (None on ranks that send nothing) and the trainer's blocking cost."""
-    from .weights import Calls
-
-    t0, version = time.perf_counter(), loop.version
-    snap = Snapshot(trainer)
-
-    def push() -> dict[str, float]:
-        with loop.engine_lock, pushing(loop, engines, version):
-            return loop.p.transport.sync(snap, engines, version)
-    calls = Calls([push]) if snap.weights else None
-    if loop.streamer is not None:  # a new version: producers may wait for it to land
-        loop.streamer.wake()
-    return calls, {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(snap.nbytes)}
-
-
-def start(loop: Any) -> Streamer | None:
-    """The streamer of an async run (rank 0, rollout algorithms), started; else None."""
-    if loop.cfg.run.mode != "async" or not loop.main or not loop.p.algorithm.uses_rollout:
-        return None
-    if not getattr(loop.p.engine, "remote", False):  # one in-process engine: take turns
-        loop.engine_lock = threading.Lock()
-    streamer = Streamer(loop)
-    streamer.start()
-    return streamer
-
-
-def check_engine(loop: Any) -> None:
-    """``rollout.in_flight: resume`` needs an engine that aborts and resumes requests in flight."""
-    engine = loop.p.engine  # None on trainer ranks other than 0
-    if loop.cfg.rollout.in_flight == "resume" and engine is not None \
-            and not hasattr(engine, "pause_generation"):
-        raise ConfigError([("rollout.in_flight: resume needs engines in their own processes that "
-                            "abort and resume requests (launcher.engines >= 1, or engine.name: "
-                            f"sglang); engine {loop.cfg.name('engine')!r} here runs in the trainer's "
-                            "process and cannot: set rollout.in_flight: finish")])
-
-
-@contextlib.contextmanager
-def pushing(loop: Any, engines: list, version: int) -> Iterator[None]:
-    """Around a weight push of ``version``. A streaming run's producers learn when it has landed
-    (pacing); with ``rollout.in_flight: resume`` the engines first abort the requests in flight
-    (each answers with what it generated so far, and the engine client resumes it after
-    ``continue_generation``) and hold new ones until the weights are in."""
-    streamer = loop.streamer
-    resume = streamer is not None and loop.cfg.rollout.in_flight == "resume"
-    try:
-        for e in engines if resume else ():
-            e.pause_generation(mode="abort")
-        yield
-    finally:
-        for e in engines if resume else ():
-            e.continue_generation()
-    if streamer is not None:
-        streamer.wake(landed=version)
-
-
-def reweight(loop: Any, batch: Any, logprobs: Any) -> tuple[Any, dict[str, float]]:
-    """The batch the loss sees. Async runs: the advantages of stale samples times truncated
-    importance weights min(pi_prox / pi_rollout, ``importance_cap``) per token (decoupled PPO),
-    pi_prox being the policy before this step's update: ``batch.old_logprobs``, or, when one
-    optimizer step takes the whole batch, the ``logprobs`` being trained (no extra forward pass).
-    Stale: from older weights than the trainer's (``correct_stale``), else only groups kept past
-    ``max_staleness`` (``stale_policy: importance``). Every rank does the same."""
-    r = loop.cfg.rollout
-    oldest = 1 if r.correct_stale else r.max_staleness + 1 if r.stale_policy == "importance" else 0
-    if loop.cfg.run.mode != "async" or not oldest or not batch.samples or not batch.samples[0].logprobs:
-        return batch, {}
-    import torch
-
-    stale = torch.tensor([loop.version - s.weight_version >= oldest for s in batch.samples],
-                         device=logprobs.device)
-    if not stale.any():
-        return batch, {}
-    prox = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-    w = torch.where(stale[:, None], torch.exp(prox - batch.rollout_logprobs).clamp(max=r.importance_cap), 1.0)
-    m = batch.loss_mask * stale[:, None]
-    return replace(batch, advantages=batch.advantages * w), \
-        {"importance_weight_mean": float((w * m).sum() / m.sum().clamp(min=1))}
-
-
-def finish_push(loop: Any) -> dict[str, float]:
-    """Wait for the background push in flight, if any: its transport's own seconds."""
-    calls, loop._push = loop._push, None
-    return {"weight_push_seconds": calls.join()[0]["weight_sync_seconds"]} if calls else {}

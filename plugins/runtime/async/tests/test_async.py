@@ -1,14 +1,16 @@
 """run.mode async: the pacing of the rollout workers and the importance weights of stale samples
-(no engine: a stand-in loop with just what ``miles.streaming`` reads)."""
+(no engine: a stand-in loop with just what ``miles_plugin_async`` reads)."""
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 from miles import Sample, Task
+from miles.builtin import SyncMode
 from miles.config import RolloutConfig, RunConfig
-from miles.streaming import EXTRA, MARGIN, Streamer, reweight
 from miles.types import Batch
+from miles_plugin_async.mode import reweight
+from miles_plugin_async.streamer import EXTRA, MARGIN, Streamer
 
 
 def streamer(version=5, engine_version=5, **rollout):
@@ -113,7 +115,5 @@ def test_without_correct_stale_only_groups_kept_past_max_staleness_are_weighted(
 
 
 def test_sync_runs_are_never_reweighted():
-    loop = stand_in(5)
-    loop.cfg.run = RunConfig(mode="sync")
     b = batch([3])
-    assert reweight(loop, b, torch.zeros(1, 2))[0] is b
+    assert SyncMode(loop=stand_in(5)).reweight(b, torch.zeros(1, 2)) == (b, {})
