@@ -188,6 +188,10 @@ def test_async_run_pushes_weights_in_the_background_and_ends_on_the_last_version
     steps = [h for h in history if h["step"] > 0]
     assert all("staleness_mean" in h and h["weight_version"] == h["step"] for h in steps)
     assert all(h["staleness_max"] <= 1 for h in steps)  # rollout.max_staleness
+    for h in steps:  # the staleness distribution of the step's kept groups
+        fracs = {int(k.rsplit("_", 1)[1]): v for k, v in h.items() if k.startswith("staleness_frac_")}
+        assert max(fracs) == h["staleness_max"] and abs(sum(fracs.values()) - 1) < 1e-9
+        assert abs(sum(k * v for k, v in fracs.items()) - h["staleness_mean"]) < 1e-9
     # samples from the previous version are trained with importance weights (rollout.correct_stale)
     assert all("importance_weight_mean" in h for h in steps if h["staleness_max"] > 0)
     assert any("weight_push_seconds" in h for h in steps)  # the previous step's push, joined

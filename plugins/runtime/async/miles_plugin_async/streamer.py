@@ -188,6 +188,8 @@ class Streamer:
             "reward_mean": sum(s.reward for s in samples) / len(samples),
             "groups_kept": len(kept), "groups_dropped": dropped, "groups_dropped_stale": stale,
             "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
+            # the distribution: the share of the kept groups k versions old, for each k seen
+            **{f"staleness_frac_{k}": lags.count(k) / len(lags) for k in sorted(set(lags))},
             "buffer_depth": float(self.buffer.qsize()), "trainer_idle_seconds": waited,
             "engine_idle_seconds": blocked - blocked_mark,
             "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
