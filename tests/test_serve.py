@@ -304,6 +304,14 @@ def test_sglang_plugin_routes_updates_weights_and_survives_kill_9(servers, model
         # (2, or 1 if a health check already saw the kill): the survivor answers all of them
         assert engine.server_stats()[survivor.url]["served"] - before in (1, 2)
         assert engine.health() == {survivor.url: True, victim.url: False}
+        # a weight update now reaches the survivor; the dead server misses it, no error, and stays
+        # out of rotation (stale) until it is back and re-synced
+        engine.load_weights(named, 7)
+        assert httpx.get(survivor.url + "/get_weight_version", headers=AUTH, timeout=10).json()["weight_version"] == 7
+        assert engine.server_stats()[victim.url]["stale"] and not engine.server_stats()[survivor.url]["stale"]
+        want = engine_checksums(named)
+        assert engine.weight_checksums(list(want)) == want
+        assert engine.servers_down() == [victim.url]
     finally:
         engine.close()
 

@@ -237,6 +237,7 @@ class SGLangEngine:
         bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": r,
                    "world_size": world_size, "group_name": group_name, "backend": backend}
                   for r in ranks]
+        self._run(self.router.await_healthy(every=True))  # a restarting server joins once it is back
         out = self._all("/init_weights_update_group", bodies)
         # `miles serve` takes a whole sync's buckets in one update call (SGLang servers: one per bucket)
         info = self._run(self.router.broadcast("GET", "/get_server_info", [None] * len(sizes),
@@ -253,7 +254,12 @@ class SGLangEngine:
         body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
                 "group_name": group_name, "weight_version": weight_version,
                 "flush_cache": flush_cache, **kw}
-        out = self._all("/update_weights_from_distributed", [body] * len(self.router.servers))
+        try:
+            out = self._all("/update_weights_from_distributed", [body] * len(self.router.servers))
+        except BaseException:  # the servers hold part of this version: none generates before a re-sync
+            for s in self.router.servers:
+                s.stale = True
+            raise
         self.router.weights_pushed = True
         for s in self.router.servers:
             s.stale = s.restarted = False
@@ -265,10 +271,13 @@ class SGLangEngine:
         return self._all("/destroy_weights_update_group",
                          [{"group_name": group_name}] * len(self.router.servers))
 
-    def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+    def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, str] | None:
         """``POST /weights_checksum`` (the torch server's extension) on every live server; the
-        servers must agree, and their common checksums are returned."""
+        servers must agree, and their common checksums are returned. None when no server holds
+        the last weights pushed (they went down during the push: nothing to check until then)."""
         live = [s for s in self.router.servers if s.healthy and not s.stale]
+        if not live and self.router.weights_pushed:
+            return None
         answers = self._run(self.router.broadcast(
             "POST", "/weights_checksum", [{"names": None if names is None else list(names)}] * len(live), live))
         sums = [a.get("checksums") or {} for a in answers]
@@ -280,16 +289,27 @@ class SGLangEngine:
         return sums[0] if sums else {}
 
     def _update(self, path: str, body: dict, weight_version: Any, live_only: bool) -> list:
+        """``path`` on every server (``live_only``: every live one, waiting for one to be back if
+        none is). A server that goes down meanwhile misses the update: it stays out of rotation
+        (stale) until it is back and re-synced (``EngineRestarted``), not an error here."""
+        if live_only:
+            self._run(self.router.await_healthy(every=False))
         servers = [s for s in self.router.servers if s.healthy] if live_only else self.router.servers
         if not servers:
             raise MilesError(f"{path}: no live server: {self.router.describe()}")
-        out = self._run(self.router.broadcast("POST", path, [body] * len(servers), servers))
+        out = self._run(self.router.broadcast("POST", path, [body] * len(servers), servers, skip_down=live_only))
+        servers = [s for s in servers if s.healthy or not live_only]  # those that went down missed it
         for s in self.router.servers:
             s.stale = s not in servers
             s.restarted = s.restarted and s.stale
         self.router.weights_pushed = True
         self._set_version(weight_version, servers)
         return out
+
+    def servers_down(self) -> list[str]:
+        """The servers that do not answer now (probed): a failed weight push with one of these
+        down is the engine's fault, not the transport's; the push is redone once it is back."""
+        return [s.url for s, ok in zip(self.router.servers, self._run(self.router.probe_all())) if not ok]
 
     def _all(self, path: str, bodies: list[dict]) -> list:
         return self._run(self.router.broadcast("POST", path, bodies, self.router.servers))

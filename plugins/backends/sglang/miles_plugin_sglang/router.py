@@ -173,13 +173,29 @@ class Router:
                 if not s.healthy and s.url not in exclude:
                     await self.probe(s)
             server = self.pick(exclude)
-            back = [s.url for s in self.servers if s.restarted and s.healthy]
+            back = [s.url for s in self.servers if s.stale and s.healthy]  # restarted, or a push failed
             if server is not None:
                 return server
             if back:
-                raise EngineRestarted(f"engine server {', '.join(back)} restarted without the current weights")
+                raise EngineRestarted(f"engine server {', '.join(back)} restarted without the current weights"
+                                      if any(s.restarted for s in self.servers) else
+                                      f"engine server {', '.join(back)} lacks the current weights (a weight "
+                                      f"update failed)")
             if asyncio.get_running_loop().time() >= deadline:
                 return None
+            await asyncio.sleep(0.25)
+
+    async def await_healthy(self, every: bool) -> None:
+        """Before a weight update: wait (up to ``restart_wait_s``, probing) until every server
+        (``every``) or at least one answers; a launcher may be restarting the others."""
+        deadline = asyncio.get_running_loop().time() + self.restart_wait_s
+        while True:
+            for s in self.servers:
+                if not s.healthy:
+                    await self.probe(s)
+            ok = [s.healthy for s in self.servers]
+            if (all(ok) if every else any(ok)) or asyncio.get_running_loop().time() >= deadline:
+                return
             await asyncio.sleep(0.25)
 
     def _down(self, server: Server, error: str) -> None:

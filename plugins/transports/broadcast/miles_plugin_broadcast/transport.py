@@ -16,6 +16,7 @@ and the host waits once, at the end.
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 from typing import Any, Sequence
 
@@ -77,8 +78,23 @@ class BroadcastTransport:
                 sent.append(key)
             if ahead is not None:
                 self._finish(ahead, len(sent))
-        except BaseException:
+        except Exception as e:
             self._broken = True  # its state is unknown after a failed broadcast: start afresh
+            self._sequence = []
+            down = _down(engines)
+            if not down:
+                raise
+            for _ in named:  # the other trainer ranks are still in the collective: finish it with them
+                pass
+            # the engine's client keeps its servers out until they are back and re-synced
+            # (EngineRestarted in the next rollout), so the run goes on
+            print(f"miles broadcast: the push of weight version {version} failed with engine server(s) "
+                  f"{', '.join(down)} down ({type(e).__name__}: {e}); it is redone once they are back",
+                  file=sys.stderr)
+            return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(nbytes),
+                    "weight_sync_failed": 1.0}
+        except BaseException:
+            self._broken = True
             self._sequence = []
             raise
         self._sequence = sent
@@ -247,6 +263,18 @@ class BroadcastTransport:
             pass
         if hasattr(group, "shutdown"):
             group.shutdown()
+
+
+def _down(engines: Sequence[Any]) -> list[str]:
+    """Servers of ``engines`` that do not answer now (engines that can tell: ``servers_down``)."""
+    down = []
+    for e in engines:
+        probe = getattr(e, "servers_down", None)
+        try:
+            down += probe() if probe is not None else []
+        except Exception:  # noqa: BLE001 - a failed probe tells nothing; the push error is raised
+            pass
+    return down
 
 
 def _members(engines: Sequence[Any]) -> list[tuple[int, int]]:
