@@ -276,10 +276,12 @@ class SGLangEngine:
         servers must agree, and their common checksums are returned. None when no server holds
         the last weights pushed (they went down during the push: nothing to check until then)."""
         live = [s for s in self.router.servers if s.healthy and not s.stale]
+        answers = self._run(self.router.broadcast(
+            "POST", "/weights_checksum", [{"names": None if names is None else list(names)}] * len(live), live,
+            skip_down=True))  # one that goes down now is re-synced once back: nothing to check there
+        live, answers = [s for s, a in zip(live, answers) if a is not None], [a for a in answers if a is not None]
         if not live and self.router.weights_pushed:
             return None
-        answers = self._run(self.router.broadcast(
-            "POST", "/weights_checksum", [{"names": None if names is None else list(names)}] * len(live), live))
         sums = [a.get("checksums") or {} for a in answers]
         for s, other in zip(live[1:], sums[1:]):
             differ = sorted(k for k in set(sums[0]) | set(other) if sums[0].get(k) != other.get(k))
