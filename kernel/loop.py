@@ -144,15 +144,16 @@ class Loop:
         s.reward = float(r)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the eval split (rank 0; the other ranks get ``{}``)."""
+        """Greedy accuracy on the eval split, rolled out by rank 0 and shared with every rank (an
+        engine that restarted meanwhile is re-synced first, as in a training step)."""
         self.mode.finish_push()
-        if not self.main:
-            return {}
-        tasks = list(self.p.env.tasks("eval"))
-        groups = self.rollout(tasks, 1, self.eval_params)
-        rewards = [g.samples[0].reward for g in groups]
-        return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
-                "eval_reward_mean": sum(rewards) / max(len(rewards), 1)}
+
+        def run() -> dict[str, float]:
+            groups = self.rollout(list(self.p.env.tasks("eval")), 1, self.eval_params)
+            rewards = [g.samples[0].reward for g in groups]
+            return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+                    "eval_reward_mean": sum(rewards) / max(len(rewards), 1)}
+        return self.gather(run)
 
     def sync(self, wait: bool = True) -> dict[str, float]:
         """Push the trainer's weights to the engines as ``self.version``, through the run mode:
@@ -265,7 +266,7 @@ class Loop:
                 continue
             self.version += 1
             self.sync()
-            m.update(self.share(self.evaluate()), seconds=time.perf_counter() - t0)
+            m.update(self.evaluate(), seconds=time.perf_counter() - t0)
             if self.main:
                 log.log(step, m)
                 self.console(f"warm start step {step}: eval_acc {m['eval_accuracy']:.3f}  "
