@@ -279,10 +279,10 @@ class SGLangEngine:
         answers = self._run(self.router.broadcast(
             "POST", "/weights_checksum", [{"names": None if names is None else list(names)}] * len(live), live,
             skip_down=True))  # one that goes down now is re-synced once back: nothing to check there
-        live, answers = [s for s, a in zip(live, answers) if a is not None], [a for a in answers if a is not None]
+        live = [s for s in live if s.healthy]  # a server that went down answered None
         if not live and self.router.weights_pushed:
             return None
-        sums = [a.get("checksums") or {} for a in answers]
+        sums = [a.get("checksums") or {} for a in answers if a is not None]
         for s, other in zip(live[1:], sums[1:]):
             differ = sorted(k for k in set(sums[0]) | set(other) if sums[0].get(k) != other.get(k))
             if differ:

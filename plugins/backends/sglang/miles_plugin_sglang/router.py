@@ -167,35 +167,33 @@ class Router:
         """No routable server left: probe the failed ones now instead of waiting for the loop,
         for up to ``restart_wait_s`` (a launcher may be restarting them). A server that comes
         back without our weights raises ``EngineRestarted``: the caller re-syncs and retries."""
+        def routable() -> Server | None:
+            server = self.pick(exclude)
+            back = [s.url for s in self.servers if s.stale and s.healthy]  # restarted, or a push failed
+            if server is None and back:
+                raise EngineRestarted(f"engine server {', '.join(back)} restarted without the current weights"
+                                      if any(s.restarted for s in self.servers) else
+                                      f"engine server {', '.join(back)} lacks the current weights (a weight "
+                                      f"update failed)")
+            return server
+        return await self._probe_until(routable, exclude)
+
+    async def await_healthy(self, every: bool) -> None:
+        """Before a weight update: wait (up to ``restart_wait_s``, probing) until every server
+        (``every``) or at least one answers; a launcher may be restarting the others."""
+        await self._probe_until(lambda: (all if every else any)(s.healthy for s in self.servers))
+
+    async def _probe_until(self, done: Any, exclude: set[str] = frozenset()) -> Any:
+        """Probe the servers that are down (but ``exclude``) until ``done()`` is truthy or
+        ``restart_wait_s`` has passed; ``done()``'s last answer."""
         deadline = asyncio.get_running_loop().time() + self.restart_wait_s
         while True:
             for s in self.servers:
                 if not s.healthy and s.url not in exclude:
                     await self.probe(s)
-            server = self.pick(exclude)
-            back = [s.url for s in self.servers if s.stale and s.healthy]  # restarted, or a push failed
-            if server is not None:
-                return server
-            if back:
-                raise EngineRestarted(f"engine server {', '.join(back)} restarted without the current weights"
-                                      if any(s.restarted for s in self.servers) else
-                                      f"engine server {', '.join(back)} lacks the current weights (a weight "
-                                      f"update failed)")
-            if asyncio.get_running_loop().time() >= deadline:
-                return None
-            await asyncio.sleep(0.25)
-
-    async def await_healthy(self, every: bool) -> None:
-        """Before a weight update: wait (up to ``restart_wait_s``, probing) until every server
-        (``every``) or at least one answers; a launcher may be restarting the others."""
-        deadline = asyncio.get_running_loop().time() + self.restart_wait_s
-        while True:
-            for s in self.servers:
-                if not s.healthy:
-                    await self.probe(s)
-            ok = [s.healthy for s in self.servers]
-            if (all(ok) if every else any(ok)) or asyncio.get_running_loop().time() >= deadline:
-                return
+            got = done()
+            if got or asyncio.get_running_loop().time() >= deadline:
+                return got
             await asyncio.sleep(0.25)
 
     def _down(self, server: Server, error: str) -> None:

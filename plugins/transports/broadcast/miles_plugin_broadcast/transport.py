@@ -78,10 +78,10 @@ class BroadcastTransport:
                 sent.append(key)
             if ahead is not None:
                 self._finish(ahead, len(sent))
-        except Exception as e:
+        except BaseException as e:
             self._broken = True  # its state is unknown after a failed broadcast: start afresh
             self._sequence = []
-            down = _down(engines)
+            down = _down(engines) if isinstance(e, Exception) else []
             if not down:
                 raise
             for _ in named:  # the other trainer ranks are still in the collective: finish it with them
@@ -93,10 +93,6 @@ class BroadcastTransport:
                   file=sys.stderr)
             return {"weight_sync_seconds": time.perf_counter() - t0, "weight_sync_bytes": float(nbytes),
                     "weight_sync_failed": 1.0}
-        except BaseException:
-            self._broken = True
-            self._sequence = []
-            raise
         self._sequence = sent
         if self.cfg.verify:
             W.verify(engines, want, version)
