@@ -316,6 +316,49 @@ def test_sglang_plugin_routes_updates_weights_and_survives_kill_9(servers, model
         engine.close()
 
 
+def test_a_restart_between_two_requests_is_noticed_and_resynced(model_dir, tmp_path):
+    """kill -9, then the server is back on its port before the client sent anything: no request
+    failed and no health check ran, but its first answer reports its boot weights' version. The
+    client drops that answer and raises EngineRestarted (the loop then pushes the weights again)."""
+    from miles import EngineRestarted
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [sys.executable, "-m", "miles.cli", "serve", str(model_dir), "--port", str(port), *SETTINGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def boot(name):
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=open(tmp_path / name, "w"), text=True)
+        wait_listening(proc, tmp_path / name)
+        return proc
+
+    procs = [boot("first.log")]
+    pm = make_plugin_manager()
+    cfg = pm.registry("engines")["sglang"].config(urls=[f"http://127.0.0.1:{port}"], weights_dir=str(tmp_path / "w"),
+                                                   health_check_interval_s=3600, restart_wait_s=0)
+    engine = pm.create("engines", "sglang", cfg, spec=None, tokenizer=None, seed=0)
+    named = [(n, p.detach()) for n, p in lively(TinySpec().build_model(char_tokenizer()), 7).named_parameters()]
+    params = SamplingParams(max_new_tokens=4)
+    try:
+        engine.load_weights(named, 3)
+        assert {c.weight_version for o in engine.generate([[2, 5]], params, n=2) for c in o} == {3}
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(10)
+        procs.append(boot("second.log"))
+        with pytest.raises(EngineRestarted, match="restarted without the current weights"):
+            engine.generate([[2, 5]], params, n=2)
+        assert engine.restarts == 1
+        engine.load_weights(named, 3)  # what the loop does on EngineRestarted
+        assert {c.weight_version for o in engine.generate([[2, 5]], params, n=2) for c in o} == {3}
+    finally:
+        engine.close()
+        for p in procs:
+            p.kill()
+            p.wait(30)
+
+
 def test_sigterm_shuts_down_cleanly_and_frees_the_port(servers):
     s = servers[0]
     t0 = time.time()

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 from miles import Completion, MilesError, SamplingParams
 
 from .config import SGLangEngineConfig
-from .router import Router, Server
+from .router import Router, Server, _int_version
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
@@ -382,10 +382,3 @@ def _join(first: Completion, rest: Completion) -> None:
     first.token_ids, first.logprobs = first.token_ids + rest.token_ids, first.logprobs + rest.logprobs
     first.finish_reason = rest.finish_reason
 
-
-def _int_version(v: Any) -> int | None:
-    """SGLang reports weight versions as strings ("default" before any update)."""
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None

@@ -96,23 +96,50 @@ class Router:
 
     async def post(self, path: str, body: Any) -> tuple[Any, Server]:
         """POST to the least loaded healthy server; on failure mark it down and retry on another
-        (at most ``max_retries`` times). Returns the answer and the server that gave it."""
+        (at most ``max_retries`` times). Returns the answer and the server that gave it. An
+        answer from a server that restarted unnoticed is dropped (``_rebooted``) and the request
+        goes elsewhere, or ends in ``EngineRestarted`` when no server holds our weights."""
         tried: set[str] = set()
         errors: list[str] = []
+        failures = 0
         async with self._slots:
-            for _ in range(self.max_retries + 1):
+            while failures <= self.max_retries:
                 server = self.pick(tried) or await self._revive(set())  # a restarted one may return
                 if server is None:
                     break
                 tried.add(server.url)
+                held = server.weight_version
                 try:
-                    return await self.send(server, "POST", path, body), server
+                    answer = await self.send(server, "POST", path, body)
                 except RetryableError as e:
                     if e.down:
                         self._down(server, str(e))
                     errors.append(str(e))
+                    failures += 1
+                    continue
+                outs = answer if isinstance(answer, list) else [answer]
+                versions = [(o.get("meta_info") or {}).get("weight_version", held) for o in outs
+                            if isinstance(o, dict)]
+                if not self._rebooted(server, held, versions):
+                    return answer, server
         detail = "; ".join(errors) or "no healthy server: " + self.describe()
         raise MilesError(f"{path} failed on every server tried ({len(tried)}): {detail}")
+
+    def _rebooted(self, server: Server, held: Any, versions: list) -> bool:
+        """Whether the server reported ``versions`` older than ``held``, its version when the
+        request was sent: versions only grow, so it restarted from its model folder unnoticed,
+        between two requests. It is then stale like one a probe found back (re-synced by the
+        next push)."""
+        floor = _int_version(held)
+        if not self.weights_pushed or floor is None or not server.healthy:
+            return False
+        if all(_int_version(v) is not None and _int_version(v) >= floor for v in versions):
+            return False
+        print(f"miles sglang: {server.url} reported weights older than version {floor}: it restarted",
+              file=sys.stderr)
+        server.stale = server.restarted = True
+        server.restarts += 1
+        return True
 
     async def broadcast(self, method: str, path: str, bodies: list[Any], servers: list[Server],
                         timeout: float | None = None, skip_down: bool = False) -> list[Any]:
@@ -137,12 +164,14 @@ class Router:
     # -- health ----------------------------------------------------------------------------------
     async def probe(self, server: Server) -> bool:
         """``GET /get_weight_version``: cheap on SGLang (its ``/health`` runs a generation)."""
+        held = server.weight_version
         try:
             r = await self._client.get(server.url + "/get_weight_version", headers=self._headers,
                                        timeout=PROBE_TIMEOUT_S)
             ok = r.status_code == 200
             if ok:
                 server.weight_version = r.json().get("weight_version")
+                self._rebooted(server, held, [server.weight_version])
             else:
                 server.last_error = f"HTTP {r.status_code}"
         except (httpx.HTTPError, ValueError) as e:
@@ -207,6 +236,14 @@ class Router:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _int_version(v: Any) -> int | None:
+    """SGLang reports weight versions as strings ("default" before any update)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
 
 
 def _message(r: httpx.Response) -> str:

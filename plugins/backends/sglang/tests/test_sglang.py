@@ -91,6 +91,50 @@ def test_a_server_error_is_retried_then_ends_the_run_with_its_message():
     asyncio.run(main())
 
 
+def test_a_restart_between_two_requests_is_noticed_from_the_versions_reported():
+    """A server that died and came back between two requests answers from its boot weights:
+    versions never go back, so an older one in its answer (or in a health probe) marks it
+    restarted; its answer is dropped and the request goes to a server that holds our weights,
+    or ends in EngineRestarted (the loop re-syncs) when none does."""
+    import httpx
+
+    from miles import EngineRestarted
+
+    booted = {"a"}  # hosts answering from their boot weights ("default", as SGLang at start)
+
+    def answer(request):
+        v = "default" if request.url.host in booted else "5"
+        if request.url.path == "/get_weight_version":
+            return httpx.Response(200, json={"weight_version": v})
+        return httpx.Response(200, json={"output_ids": [7], "meta_info": {"weight_version": v}})
+
+    async def main():
+        r = Router(["http://a", "http://b"], api_key=None, timeout_s=1, max_retries=0, max_concurrency=2)
+        await r.close()
+        r._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        r.weights_pushed = True
+        a, b = r.servers
+        a.weight_version = b.weight_version = "5"
+        out, server = await r.post("/generate", {})  # a is picked first (round robin), then b
+        assert server is b and out["meta_info"]["weight_version"] == "5"
+        assert a.stale and a.restarted and a.restarts == 1 and not b.stale
+        with pytest.raises(EngineRestarted):  # b restarts too: nobody holds version 5
+            booted.add("b")
+            await r.post("/generate", {})
+        assert b.stale and b.restarts == 1
+        c = Router(["http://c"], api_key=None, timeout_s=1, max_retries=2, max_concurrency=1)
+        await c.close()
+        c._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        c.weights_pushed, c.servers[0].weight_version = True, "5"
+        booted.add("c")
+        await c.probe(c.servers[0])  # the health loop notices it as well
+        assert c.servers[0].stale and c.servers[0].restarts == 1
+        await r.close()
+        await c.close()
+
+    asyncio.run(main())
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -91,8 +91,8 @@ def test_killed_engine_is_restarted_resynced_and_no_group_is_lost(tmp_path, tran
     assert rc == 0, err[-3000:]
     assert "was killed by SIGKILL; restarting it (1/3)" in err
     # the restarted engine gets the current weights: re-synced by the loop when a rollout finds it
-    # without them, or by the next push (which waits for it); sync.verify checks every push. (A
-    # restart between two requests can go unnoticed until that next push: see the README.)
+    # without them (also when it was back before any request failed: its answer reports its boot
+    # weights), or by the next push (which waits for it); sync.verify checks every push.
     got = rows(out)
     assert [r["step"] for r in got] == list(range(13))  # every step once
     for r in got[1:]:  # every step trained on exactly the groups it asked for, none twice
