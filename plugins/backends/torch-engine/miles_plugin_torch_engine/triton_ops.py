@@ -80,6 +80,51 @@ if triton is not None:
         tl.store(out_ptr + row * inter + cols, (act * u).to(g.dtype), mask=m)
 
 
+    @triton.jit
+    def _lse_parts_kernel(logits_ptr, m_ptr, s_ptr, V, S, temp, BLOCK: tl.constexpr):
+        """One (row, block of BLOCK tokens) of ``x = logits / T``: the block's max and sum of
+        ``exp(x - max)``, the parts of the row's log-sum-exp and of its cumulative distribution."""
+        row = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
+        top = tl.max(x, axis=0)
+        tl.store(m_ptr + row * S + blk, top)
+        tl.store(s_ptr + row * S + blk, tl.sum(tl.exp(x - top), axis=0))
+
+    @triton.jit
+    def _draw_kernel(logits_ptr, m_ptr, s_ptr, seed_ptr, tok_ptr, logp_ptr, V, S, temp,
+                     BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, GREEDY: tl.constexpr):
+        """One row: an inverse-CDF draw (one uniform ``U``: the block whose cumulative mass passes
+        ``U * total``, then the token inside it whose does), or the first argmax when greedy; and
+        the token's log-prob ``x_tok - logsumexp(x)``."""
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BLOCK_S)
+        tops = tl.load(m_ptr + row * S + j, mask=j < S, other=float("-inf"))
+        top = tl.max(tops, axis=0)
+        mass = tl.load(s_ptr + row * S + j, mask=j < S, other=0.0) * tl.exp(tops - top)
+        total = tl.sum(mass, axis=0)
+        if GREEDY:
+            blk = tl.argmax(tops, axis=0)
+        else:
+            target = tl.rand(tl.load(seed_ptr), row.to(tl.int32)) * total
+            below = tl.cumsum(mass, axis=0) <= target  # blocks wholly below the target
+            blk = tl.minimum(tl.sum(below.to(tl.int32), axis=0), S - 1)
+            target -= tl.sum(tl.where(j < blk, mass, 0.0), axis=0)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row * V + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
+        if GREEDY:
+            k = tl.argmax(x, axis=0)
+        else:
+            e = tl.exp(x - top)
+            k = tl.sum((tl.cumsum(e, axis=0) <= target).to(tl.int32), axis=0)
+            # rounding may leave the target past the block's sum: its last token of nonzero mass
+            k = tl.minimum(k, tl.max(tl.where(e > 0, tl.arange(0, BLOCK), 0), axis=0))
+        tok = blk * BLOCK + k
+        xt = tl.load(logits_ptr + row * V + tok).to(tl.float32) / temp
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(logp_ptr + row, xt - (top + tl.log(total)))
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> torch.Tensor:
     """``h += delta`` (in place, when given), then HF's RMSNorm of ``h``; ``h`` is ``[B, N]``."""
     B, N = h.shape
@@ -110,3 +155,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(B, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
     return out
+
+
+SAMPLE_BLOCK = 4096
+
+
+def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits [B, V]`` from ``softmax(logits / T)`` and its log-prob
+    (float32), in two kernels: per block of the vocabulary the log-sum-exp parts (the one full
+    read of the logits), then per row an inverse-CDF draw that reads only the chosen block.
+    ``seed``: a device int tensor ``[1]`` (drawn from the engine's generator: no host sync);
+    None: greedy."""
+    B, V = logits.shape
+    S = triton.cdiv(V, SAMPLE_BLOCK)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    tops, mass, logp = torch.empty((B, S), **f32), torch.empty((B, S), **f32), torch.empty(B, **f32)
+    tok = torch.empty(B, dtype=torch.long, device=logits.device)
+    temp = 1.0 if seed is None else float(temperature)  # as the torch path: logits.float() / T
+    logits = logits.contiguous()
+    _lse_parts_kernel[(B, S)](logits, tops, mass, V, S, temp, BLOCK=SAMPLE_BLOCK)
+    _draw_kernel[(B,)](logits, tops, mass, tok if seed is None else seed, tok, logp, V, S, temp,
+                       BLOCK=SAMPLE_BLOCK, BLOCK_S=triton.next_power_of_2(S), GREEDY=seed is None)
+    return tok, logp
