@@ -160,6 +160,8 @@ class LlamaFamilyForward:
                 repeats: torch.Tensor) -> torch.Tensor:
         """Run right-padded prompts ``ids [P, T]``; write prompt ``i``'s keys/values into cache rows
         ``rows[sum(repeats[:i]) : sum(repeats[:i+1])]``; return the last-token logits ``[P, V]``."""
+        if self.use_triton:
+            return self._prefill_fused(ids, lengths, rows, repeats)
         P, T = ids.shape
         h = self.inner.embed_tokens(ids)
         cos, sin = self.cos[:T], self.sin[:T]
@@ -174,6 +176,30 @@ class LlamaFamilyForward:
             h = self._mlp(li, h)
         last = h[torch.arange(P, device=h.device), lengths - 1]
         return self.logits(last)
+
+    def _prefill_fused(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                       repeats: torch.Tensor) -> torch.Tensor:
+        """``prefill`` with the Triton residual-add + RMSNorm and SiLU-gate kernels over the
+        ``P * T`` token rows (the element-wise steps of a layer were ~40% of a 256 x 128 prefill)."""
+        P, T = ids.shape
+        layers = self.inner.layers
+        h = self.inner.embed_tokens(ids).view(P * T, -1)
+        cos, sin = self.cos[:T], self.sin[:T]
+        x = triton_ops.add_rms_norm(h, None, layers[0].input_layernorm)
+        for li, layer in enumerate(layers):
+            q, k, v = self._qkv(li, x.view(P, T, -1), cos, sin, heads_dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.kv_heads != self.heads)
+            self.k_cache[li, rows, :, :T] = k.repeat_interleave(repeats, dim=0)
+            self.v_cache[li, rows, :, :T] = v.repeat_interleave(repeats, dim=0)
+            x = triton_ops.add_rms_norm(h, _lin(o.transpose(1, 2).reshape(P * T, -1), layer.self_attn.o_proj),
+                                        layer.post_attention_layernorm)
+            f = self._fused[li]
+            act = triton_ops.silu_mul(F.linear(x, f["gate_up"], f["gate_up_bias"]))
+            norm = layers[li + 1].input_layernorm if li + 1 < len(layers) else self.inner.norm
+            x = triton_ops.add_rms_norm(h, _lin(act, layer.mlp.down_proj), norm)
+        last = x.view(P, T, -1)[torch.arange(P, device=x.device), lengths - 1]
+        return last @ self.model.lm_head.weight.t()
 
     def decode(self, tok: torch.Tensor, pos: torch.Tensor, length: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,23 +227,19 @@ class LlamaFamilyForward:
 
     def _decode_fused(self, tok: torch.Tensor, pos: torch.Tensor, length: int,
                       out: torch.Tensor | None) -> torch.Tensor:
-        """``decode`` with the Triton kernels: about ten kernels a layer instead of thirty-five."""
+        """``decode`` with the Triton kernels: about ten kernels a layer instead of thirty-five.
+        Attention reads each row's own positions (``pos``), so ``length`` (the graph's bucket)
+        does not enter it."""
         B, KV, D = tok.shape[0], self.kv_heads, self.head_dim
         layers = self.inner.layers
         h = self.inner.embed_tokens(tok)
-        visible = torch.arange(length, device=tok.device) <= pos[:, None]
-        # additive, made once per step (SDPA would convert a boolean mask in every layer)
-        mask = torch.zeros(visible.shape, dtype=h.dtype, device=h.device).masked_fill_(~visible, float("-inf"))
-        mask = mask[:, None, None]
         x = triton_ops.add_rms_norm(h, None, layers[0].input_layernorm)
         for li, layer in enumerate(layers):
             f = self._fused[li]
             qkv = F.linear(x, f["qkv"], f["qkv_bias"]).view(B, self.heads + 2 * KV, D)
             q = triton_ops.rope_store(qkv, self.cos, self.sin, pos, self.k_cache[li], self.v_cache[li],
                                       self.heads, KV)
-            o = F.scaled_dot_product_attention(
-                q.view(B, KV, self.heads // KV, D), self.k_cache[li, :B, :, :length],
-                self.v_cache[li, :B, :, :length], attn_mask=mask, scale=self.scale)
+            o = triton_ops.decode_attention(q, self.k_cache[li], self.v_cache[li], pos, self.scale)
             x = triton_ops.add_rms_norm(h, _lin(o.reshape(B, -1), layer.self_attn.o_proj),
                                         layer.post_attention_layernorm)
             act = triton_ops.silu_mul(F.linear(x, f["gate_up"], f["gate_up_bias"]))
