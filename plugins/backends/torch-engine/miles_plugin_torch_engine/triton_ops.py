@@ -127,40 +127,42 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale, s_slot, s_head, s_pos,
-                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         """One (row, KV head): its ``G`` query heads (padded to ``GP`` rows for ``tl.dot``) over
         cache positions ``<= pos[row]`` in blocks of ``BLOCK_N``, with an online softmax (float32
         scores and sums; probabilities cast to the cache dtype for the product with V, as flash
-        attention does)."""
+        attention does). Head dims below 16 (``tl.dot``'s least) are zero-padded to ``DP``."""
         b = tl.program_id(0).to(tl.int64)
         kv = tl.program_id(1)
         g = tl.arange(0, GP)
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
         n = tl.arange(0, BLOCK_N)
         rows = (b * (tl.num_programs(1) * G) + kv * G + g)[:, None] * D + d[None, :]
-        q = tl.load(q_ptr + rows, mask=(g < G)[:, None], other=0.0)
+        q_mask = (g < G)[:, None] & (d < D)[None, :]
+        q = tl.load(q_ptr + rows, mask=q_mask, other=0.0)
         base = b * s_slot + kv * s_head
         end = tl.load(pos_ptr + b) + 1
         top = tl.full((GP,), float("-inf"), tl.float32)
         total = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, D), tl.float32)
+        acc = tl.zeros((GP, DP), tl.float32)
         precision: tl.constexpr = "ieee" if IEEE else "tf32"
         for start in range(0, end, BLOCK_N):
             at = start + n
             live = at < end
             offs = base + at[:, None] * s_pos + d[None, :]
-            k = tl.load(k_ptr + offs, mask=live[:, None], other=0.0)
+            kv_mask = live[:, None] & (d < D)[None, :]
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
             sc = tl.dot(q, tl.trans(k), input_precision=precision) * scale
             sc = tl.where(live[None, :], sc, float("-inf"))
             new_top = tl.maximum(top, tl.max(sc, axis=1))
             p = tl.exp(sc - new_top[:, None])
             keep = tl.exp(top - new_top)
             total = total * keep + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + offs, mask=live[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
             acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
             top = new_top
-        tl.store(o_ptr + rows, (acc / total[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+        tl.store(o_ptr + rows, (acc / total[:, None]).to(o_ptr.dtype.element_ty), mask=q_mask)
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> torch.Tensor:
     """``h += delta`` (in place, when given), then HF's RMSNorm of ``h``; ``h`` is ``[B, N]``."""
@@ -227,5 +229,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     s_slot, s_head, s_pos, _ = k_cache.stride()
     _decode_attention_kernel[(B, KV)](q, k_cache, v_cache, pos, out, scale, s_slot, s_head, s_pos,
                                       G=H // KV, GP=max(16, triton.next_power_of_2(H // KV)), D=D,
-                                      BLOCK_N=64, IEEE=q.dtype == torch.float32)
+                                      DP=max(16, triton.next_power_of_2(D)), BLOCK_N=64,
+                                      IEEE=q.dtype == torch.float32)
     return out
