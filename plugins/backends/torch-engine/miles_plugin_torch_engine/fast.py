@@ -7,7 +7,8 @@ attention on GPU) and writes each prompt's keys/values into the ``n`` rows of it
 prompt is computed once per group). A decode step feeds one token per active row; rows are kept
 packed in ``[0, B)`` by the scheduler, so the step reads plain slices of the cache and has static
 shapes per (batch, length) bucket, which is what lets it be captured in a CUDA graph. On CUDA the
-decode step uses the fused Triton kernels of ``triton_ops`` (about ten kernels a layer); on CPU,
+decode step (attention included) and the prefill's element-wise steps use the fused Triton
+kernels of ``triton_ops`` (about ten kernels a decode layer); on CPU,
 and for Qwen3's q/k norms, plain torch ops (the CPU tests hold these to the HF forward at 1e-5).
 
 Weights are read from the module at every call, except q|k|v and gate|up, which are fused into

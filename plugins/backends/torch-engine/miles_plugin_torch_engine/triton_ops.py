@@ -4,7 +4,9 @@ A decode step of a 0.5B model at batch 256 is mostly small element-wise work bet
 inside a CUDA graph every kernel still costs a few microseconds, so an unfused step (about 35
 kernels a layer: RMSNorm alone is eight) spends more time on kernel boundaries than on math.
 These kernels cut a layer to about ten: residual add + RMSNorm, RoPE of q and k + the KV-cache
-write, and SiLU-gate * up. Each keeps Hugging Face's rounding steps (the bf16 products of RoPE are
+write, SiLU-gate * up, and attention over each row's own cache positions (a masked SDPA over the
+whole length bucket took 2.3x as long); prefill uses the first and third. Sampling reads the
+logits once, in two kernels. Each keeps Hugging Face's rounding steps (the bf16 products of RoPE are
 rounded before they are summed, RMSNorm rounds before the weight multiply), so the numbers are
 those of the trainer's forward up to reduction order.
 
