@@ -212,6 +212,8 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor | None) 
     f32 = dict(dtype=torch.float32, device=logits.device)
     tops, mass, logp = torch.empty((B, S), **f32), torch.empty((B, S), **f32), torch.empty(B, **f32)
     tok = torch.empty(B, dtype=torch.long, device=logits.device)
+    if B == 0:
+        return tok, logp
     temp = 1.0 if seed is None else float(temperature)  # as the torch path: logits.float() / T
     logits = logits.contiguous()
     _lse_parts_kernel[(B, S)](logits, tops, mass, V, S, temp, BLOCK=SAMPLE_BLOCK)
