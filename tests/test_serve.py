@@ -325,12 +325,9 @@ def test_a_restart_between_two_requests_is_noticed_and_resynced(model_dir, tmp_p
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = [sys.executable, "-m", "miles.cli", "serve", str(model_dir), "--port", str(port), *SETTINGS]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
-    def boot(name):
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=open(tmp_path / name, "w"), text=True)
+    def boot(name):  # the last --port wins over start()'s --port 0
+        proc = start(model_dir, tmp_path / name, "--port", str(port))
         wait_listening(proc, tmp_path / name)
         return proc
 

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 from miles import Completion, MilesError, SamplingParams
 
 from .config import SGLangEngineConfig
-from .router import Router, Server, _int_version
+from .router import Router, Server, int_version
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
@@ -80,7 +80,7 @@ class SGLangEngine:
         down = [s.url for s in self.router.servers if not s.healthy]
         if down:
             print(f"miles sglang: not answering, left out for now: {', '.join(down)}", file=sys.stderr)
-        versions = [_int_version(s.weight_version) for s in self.router.servers if s.healthy]
+        versions = [int_version(s.weight_version) for s in self.router.servers if s.healthy]
         self.weight_version = max((v for v in versions if v is not None), default=0)
 
     def close(self) -> None:
@@ -176,7 +176,7 @@ class SGLangEngine:
         pairs = meta.get("output_token_logprobs") or []
         ids = [int(p[1]) for p in pairs] if pairs else [int(t) for t in out.get("output_ids") or []]
         finish = (meta.get("finish_reason") or {}).get("type") or "length"
-        version = _int_version(meta.get("weight_version"))
+        version = int_version(meta.get("weight_version"))
         version = self.weight_version if version is None else version
         return Completion(ids, [float(p[0]) for p in pairs], finish, version, [version])
 
@@ -317,7 +317,7 @@ class SGLangEngine:
         return self._run(self.router.broadcast("POST", path, bodies, self.router.servers))
 
     def _set_version(self, weight_version: Any, servers: list[Server]) -> None:
-        v = _int_version(weight_version)
+        v = int_version(weight_version)
         if v is not None:
             self.weight_version = v
         for s in servers:

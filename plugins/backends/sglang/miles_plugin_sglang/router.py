@@ -130,10 +130,10 @@ class Router:
         request was sent: versions only grow, so it restarted from its model folder unnoticed,
         between two requests. It is then stale like one a probe found back (re-synced by the
         next push)."""
-        floor = _int_version(held)
+        floor = int_version(held)
         if not self.weights_pushed or floor is None or not server.healthy:
             return False
-        if all(_int_version(v) is not None and _int_version(v) >= floor for v in versions):
+        if all(n is not None and n >= floor for n in map(int_version, versions)):
             return False
         print(f"miles sglang: {server.url} reported weights older than version {floor}: it restarted",
               file=sys.stderr)
@@ -238,7 +238,7 @@ class Router:
         await self._client.aclose()
 
 
-def _int_version(v: Any) -> int | None:
+def int_version(v: Any) -> int | None:
     """SGLang reports weight versions as strings ("default" before any update)."""
     try:
         return int(v)

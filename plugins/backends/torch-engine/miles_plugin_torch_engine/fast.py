@@ -187,18 +187,13 @@ class LlamaFamilyForward:
         h = self.inner.embed_tokens(ids).view(P * T, -1)
         cos, sin = self.cos[:T], self.sin[:T]
         x = triton_ops.add_rms_norm(h, None, layers[0].input_layernorm)
-        for li, layer in enumerate(layers):
+        for li in range(len(layers)):
             q, k, v = self._qkv(li, x.view(P, T, -1), cos, sin, heads_dim=1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.kv_heads != self.heads)
             self.k_cache[li, rows, :, :T] = k.repeat_interleave(repeats, dim=0)
             self.v_cache[li, rows, :, :T] = v.repeat_interleave(repeats, dim=0)
-            x = triton_ops.add_rms_norm(h, _lin(o.transpose(1, 2).reshape(P * T, -1), layer.self_attn.o_proj),
-                                        layer.post_attention_layernorm)
-            f = self._fused[li]
-            act = triton_ops.silu_mul(F.linear(x, f["gate_up"], f["gate_up_bias"]))
-            norm = layers[li + 1].input_layernorm if li + 1 < len(layers) else self.inner.norm
-            x = triton_ops.add_rms_norm(h, _lin(act, layer.mlp.down_proj), norm)
+            x = self._fused_rest(li, h, o.transpose(1, 2).reshape(P * T, -1))
         last = x.view(P, T, -1)[torch.arange(P, device=x.device), lengths - 1]
         return last @ self.model.lm_head.weight.t()
 
@@ -235,19 +230,26 @@ class LlamaFamilyForward:
         layers = self.inner.layers
         h = self.inner.embed_tokens(tok)
         x = triton_ops.add_rms_norm(h, None, layers[0].input_layernorm)
-        for li, layer in enumerate(layers):
+        for li in range(len(layers)):
             f = self._fused[li]
             qkv = F.linear(x, f["qkv"], f["qkv_bias"]).view(B, self.heads + 2 * KV, D)
             q = triton_ops.rope_store(qkv, self.cos, self.sin, pos, self.k_cache[li], self.v_cache[li],
                                       self.heads, KV)
             o = triton_ops.decode_attention(q, self.k_cache[li], self.v_cache[li], pos, self.scale)
-            x = triton_ops.add_rms_norm(h, _lin(o.reshape(B, -1), layer.self_attn.o_proj),
-                                        layer.post_attention_layernorm)
-            act = triton_ops.silu_mul(F.linear(x, f["gate_up"], f["gate_up_bias"]))
-            norm = layers[li + 1].input_layernorm if li + 1 < len(layers) else self.inner.norm
-            x = triton_ops.add_rms_norm(h, _lin(act, layer.mlp.down_proj), norm)
+            x = self._fused_rest(li, h, o.reshape(B, -1))
         w = self.model.lm_head.weight
         return torch.mm(x, w.t(), out=out) if out is not None else x @ w.t()
+
+    def _fused_rest(self, li: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer ``li`` after attention (``attn [N, H * D]``), with the Triton kernels: o_proj and
+        the residual add into ``h`` (in place), the MLP and its residual add, then the next
+        layer's input norm (the final norm after the last layer), which is returned."""
+        layers, f = self.inner.layers, self._fused[li]
+        layer = layers[li]
+        x = triton_ops.add_rms_norm(h, _lin(attn, layer.self_attn.o_proj), layer.post_attention_layernorm)
+        act = triton_ops.silu_mul(F.linear(x, f["gate_up"], f["gate_up_bias"]))
+        norm = layers[li + 1].input_layernorm if li + 1 < len(layers) else self.inner.norm
+        return triton_ops.add_rms_norm(h, _lin(act, layer.mlp.down_proj), norm)
 
     def move_rows(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
         """Copy cache rows ``src`` onto ``dst`` (positions ``< length``): keeps live rows packed."""
