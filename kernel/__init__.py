@@ -5,6 +5,5 @@ from .plugins import make_plugin_manager
 from .types import Batch, Completion, Group, Sample, SamplingParams, Status, Task
 
 __version__ = "0.1.0"
-__all__ = ["hookimpl", "hookspec", "make_plugin_manager", "Task", "Sample", "Group", "Batch",
-           "Completion", "SamplingParams", "Status", "MilesError", "ConfigError", "PluginError",
-           "EngineRestarted"]
+__all__ = ["hookimpl", "hookspec", "make_plugin_manager", "Task", "Sample", "Group", "Batch", "Completion",
+           "SamplingParams", "Status", "MilesError", "ConfigError", "PluginError", "EngineRestarted"]

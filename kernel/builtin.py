@@ -16,20 +16,14 @@ from .hookspecs import hookimpl
 from .types import Group, SamplingParams, Sample, Status, Task
 
 
-def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
-    """Token ids of a task prompt: chat messages through the chat template, text as is."""
-    if isinstance(prompt, list):
-        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    return list(tokenizer.encode(prompt, add_special_tokens=False))
-
-
 def encode_prompts(tokenizer: Any, prompts: list) -> list[list[int]]:
-    """``encode_prompt`` for many prompts; all-text batches take one tokenizer call."""
+    """Token ids of task prompts: chat messages through the chat template, text as is (an all-text
+    batch in one tokenizer call)."""
     if all(isinstance(p, str) for p in prompts):
         return [list(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    return [encode_prompt(tokenizer, p) for p in prompts]
+    # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
+    return [list(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+            if isinstance(p, list) else list(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
 
 
 def decode_batch(tokenizer: Any, ids: list[list[int]]) -> list[str]:
@@ -72,8 +66,7 @@ class SyncMode:
         loop, r, t0 = self.loop, self.loop.cfg.rollout, time.perf_counter()
         kept, sampled, dropped = [], [], 0
         for _ in range(r.oversample_rounds + 1):
-            need = r.batch_size - len(kept)
-            tasks = rng.sample(loop.train_tasks, min(need, len(loop.train_tasks)))
+            tasks = rng.sample(loop.train_tasks, min(r.batch_size - len(kept), len(loop.train_tasks)))
             groups = loop.rollout(tasks, r.n, params)
             sampled += groups
             for g in groups:
@@ -85,9 +78,8 @@ class SyncMode:
                 break
         t_roll = time.perf_counter()
         samples = [s for g in sampled for s in g.samples]
-        rewards = [s.reward for s in samples]
         return kept, {
-            "reward_mean": sum(rewards) / len(rewards), "staleness_mean": 0.0,
+            "reward_mean": sum(s.reward for s in samples) / len(samples), "staleness_mean": 0.0,
             "groups_kept": len(kept), "groups_dropped": dropped,
             "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "tokens_per_second": sum(len(s.response_ids) for s in samples) / max(t_roll - t0, 1e-9),
@@ -143,15 +135,12 @@ class ConsoleLogger:
                 parts.append(f"{label} {m[key]:{fmt}}")
         if step and self.first_step is not None and step > self.first_step and self.total > step:
             rate = (time.perf_counter() - self.t0) / (step - self.first_step)
-            parts.append(f"ETA {_fmt_seconds(rate * (self.total - step))}")
+            eta = rate * (self.total - step)
+            parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s" if eta >= 60 else f"ETA {eta:.0f}s")
         self.console.print("  ".join(parts))
 
     def close(self) -> None:
         pass
-
-
-def _fmt_seconds(s: float) -> str:
-    return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
 
 
 class JsonlLogger:

@@ -10,16 +10,9 @@ from typing import Any
 STATE = "state.json"
 
 
-def checkpoint_dir(out_dir: str) -> Path:
-    return Path(out_dir) / "checkpoints"
-
-
 def latest(out_dir: str) -> tuple[Path, dict[str, Any]] | None:
     """The newest complete checkpoint (its folder and state), or None."""
-    root = checkpoint_dir(out_dir)
-    if not root.is_dir():
-        return None
-    for d in sorted(root.glob("step_*"), reverse=True):
+    for d in sorted((Path(out_dir) / "checkpoints").glob("step_*"), reverse=True):
         try:
             return d, json.loads((d / STATE).read_text())
         except (OSError, ValueError):
@@ -29,7 +22,7 @@ def latest(out_dir: str) -> tuple[Path, dict[str, Any]] | None:
 
 def begin(out_dir: str, step: int) -> Path:
     """A fresh temp folder for step ``step`` (every trainer rank writes its part into it)."""
-    root = checkpoint_dir(out_dir)
+    root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -37,24 +30,21 @@ def begin(out_dir: str, step: int) -> Path:
     return tmp
 
 
-def commit(tmp: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Seal a filled temp folder: state file, fsync, atomic rename, prune old checkpoints."""
+def commit(tmp: Path, step: int, state: dict[str, Any], keep: int) -> None:
+    """Seal a filled temp folder: state file, fsync, atomic rename, prune old checkpoints (and any
+    temp folders that crashed runs left)."""
     root = tmp.parent
     final = root / f"step_{step:06d}"
     (tmp / STATE).write_text(json.dumps({**state, "step": step}))
     for f in tmp.rglob("*"):
         if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_path(str(f))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_path(str(root))
-    for old in sorted(root.glob("step_*"))[:-keep]:
+    for old in [*sorted(root.glob("step_*"))[:-keep], *root.glob(".tmp-step_*")]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step_*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
 def fsync_path(path: str) -> None:

@@ -5,17 +5,17 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from .errors import MilesError
-
-USAGE_ERROR = 2
+from . import checkpoint
+from .errors import MilesError, PluginError
+from .plugins import KINDS, call_first, make_plugin_manager, plugin_table
 
 
 def _load(args: argparse.Namespace):
     """Plugin manager + validated config, with every config problem reported at once."""
     from .config import apply_overrides, read_yaml, resolve
-    from .plugins import make_plugin_manager
 
     data = apply_overrides(read_yaml(args.config), args.overrides)
     launch = list(args.plugin or []) + [p for p in (data.get("plugins") or []) if isinstance(p, str)]
@@ -28,12 +28,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     pm, cfg = _load(args)
     if cfg.name("launcher") and not os.environ.get("MILES_LAUNCHED"):
-        plugins = list(args.plugin or []) + cfg.plugins
         launcher = pm.create("launchers", cfg.name("launcher"), cfg.settings("launcher"))
-        return launcher.launch(cfg, pm, plugins)
-    loop = Loop(pm, cfg)
+        return launcher.launch(cfg, pm, list(args.plugin or []) + cfg.plugins)
     try:
-        history = loop.run()
+        history = Loop(pm, cfg).run()
     except KeyboardInterrupt:
         print(f"interrupted; rerun the same command to resume from the last checkpoint in "
               f"{cfg.run.out_dir}", file=sys.stderr)
@@ -45,28 +43,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from . import checkpoint
     from .loop import Loop
 
-    pm, cfg = _load(args)
-    loop = Loop(pm, cfg)
+    loop = Loop(*_load(args))
     loop.build()
-    found = checkpoint.latest(cfg.run.out_dir)
-    loop.p.trainer = loop.make_trainer(cfg.settings("trainer"), loop.p.algorithm)
-    if found:
-        loop.p.trainer.load(str(found[0] / "trainer"))
-        loop.version = found[1]["weight_version"]
+    found = checkpoint.latest(loop.cfg.run.out_dir)
+    loop.new_trainer(found)
     loop.sync()
-    result = {"step": found[1]["step"] if found else None, **loop.evaluate()}
-    print(json.dumps(result))
+    print(json.dumps({"step": found[1]["step"] if found else None, **loop.evaluate()}))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Newest checkpoint of a run -> a Hugging Face model folder (config, safetensors, tokenizer)."""
-    from pathlib import Path
-
-    from . import checkpoint
     from .loop import Loop
 
     cfg_file = Path(args.run_dir) / "config.yaml"
@@ -76,14 +65,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not found:
         raise MilesError(f"{args.run_dir} has no checkpoint yet; train first")
     args.config, args.overrides = str(cfg_file), [f"run.out_dir={args.run_dir}"]
-    pm, cfg = _load(args)
-    loop = Loop(pm, cfg)
+    loop = Loop(*_load(args))
     loop.build(with_engine=False)
-    trainer = loop.make_trainer(cfg.settings("trainer"), loop.p.algorithm)
-    trainer.load(str(found[0] / "trainer"))
+    loop.new_trainer(found)
     if not hasattr(loop.p.spec, "save_pretrained"):
-        raise MilesError(f"model spec {cfg.name('model')!r} cannot export Hugging Face folders")
-    loop.p.spec.save_pretrained(trainer.named_weights(), loop.p.tokenizer, args.to)
+        raise MilesError(f"model spec {loop.cfg.name('model')!r} cannot export Hugging Face folders")
+    loop.p.spec.save_pretrained(loop.p.trainer.named_weights(), loop.p.tokenizer, args.to)
     print(f"exported step {found[1]['step']} of {args.run_dir} to {args.to}")
     return 0
 
@@ -91,8 +78,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """A model folder behind SGLang's HTTP API, through the ``miles_serve`` hook (engine-agnostic)."""
     from .config import apply_overrides
-    from .errors import PluginError
-    from .plugins import call_first, make_plugin_manager
 
     if args.host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
         raise MilesError(f"--host {args.host} exposes the server beyond this machine: pass "
@@ -111,8 +96,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from .plugins import KINDS, make_plugin_manager, plugin_table
-
     pm = make_plugin_manager(extra=args.plugin or [])
     rows = plugin_table(pm)
     components = {k: {n: c.plugin for n, c in pm.registry(k).items()} for k in KINDS}
@@ -122,9 +105,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="miles plugins")
-    for col in ("plugin", "distribution", "version", "hooks"):
-        table.add_column(col)
+    table = Table("plugin", "distribution", "version", "hooks", title="miles plugins")
     for r in rows:
         table.add_row(r["name"], r["distribution"] or r["origin"], r["version"] or "",
                       ", ".join(h.removeprefix("miles_") for h in r["hooks"]))

@@ -136,8 +136,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key:
             problems.append(f"override {item!r} must look like key.sub=value")
             continue
-        node = data
-        parts = key.split(".")
+        node, parts = data, key.split(".")
         for part in parts[:-1]:
             if not isinstance(node.setdefault(part, {}), dict):
                 node[part] = {}
@@ -227,17 +226,8 @@ def validate_settings(model: type[BaseModel] | None, prefix: str, raw: dict, pro
 
 def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config") -> Config:
     """Validate everything; raise one ConfigError listing every problem."""
-    problems: list[str] = []
-    for key in data:
-        if key not in TOP_LEVEL:
-            problems.append(f"{key}: unknown section; allowed: {', '.join(TOP_LEVEL)}")
-    kernel = {}
-    for section, model in KERNEL_SECTIONS.items():
-        raw = data.get(section) or {}
-        try:
-            kernel[section] = model.model_validate(raw)
-        except ValidationError as e:
-            problems.extend(_pydantic_problems(section, e, model))
+    problems = [f"{key}: unknown section; allowed: {', '.join(TOP_LEVEL)}" for key in data if key not in TOP_LEVEL]
+    kernel = {s: validate_settings(model, s, data.get(s) or {}, problems) for s, model in KERNEL_SECTIONS.items()}
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
     run, rollout, warm_trainer = kernel.get("run"), kernel.get("rollout"), None
     if run is not None:

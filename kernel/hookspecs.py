@@ -79,8 +79,7 @@ def miles_on_step_end(step: int, metrics: dict[str, Any]) -> None:
 
 
 @hookspec(firstresult=True)
-def miles_serve(model_dir: str, host: str, port: int, api_key: str | None,
-                settings: dict[str, Any]) -> int | None:
+def miles_serve(model_dir: str, host: str, port: int, api_key: str | None, settings: dict[str, Any]) -> int | None:
     """Serve the model in ``model_dir`` (a Hugging Face folder) over HTTP with SGLang's native API.
 
     Called once by ``miles serve MODEL_DIR``; ``settings`` are its ``key=value`` arguments (YAML

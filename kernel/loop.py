@@ -76,7 +76,6 @@ class Loop:
         self._previous: dict[int, Any] = {}
         self._synced_once = False
 
-    # -- construction ------------------------------------------------------------------------------
     def build(self, with_engine: bool = True) -> Parts:
         import torch
 
@@ -108,29 +107,31 @@ class Loop:
                               tokenizer=self.p.tokenizer, seed=self.seed, algorithm=algorithm,
                               total_steps=self.cfg.run.steps)
 
-    # -- rollout, rewards, evaluation --------------------------------------------------------------
+    def new_trainer(self, found: Any = None) -> None:
+        """The run's trainer, holding checkpoint ``found`` (``checkpoint.latest``'s answer) if given."""
+        self.p.trainer = self.make_trainer(self.cfg.settings("trainer"), self.p.algorithm)
+        if found:
+            self.p.trainer.load(str(found[0] / "trainer"))
+            self.version = found[1]["weight_version"]
+
     def rollout(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
         """Custom ``miles_rollout`` hooks first; tasks nobody claims go to one batched call."""
-        with self.mode.lock_engines():
-            return self._rollout(tasks, n, params)
-
-    def _rollout(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
         engine, out = self.p.engine, {}
-        engine.sampling_params = params
-        if len(self.pm.hook.miles_rollout.get_hookimpls()) > 1:
-            for i, t in enumerate(tasks):
-                samples = call_first(self.pm, "miles_rollout", skip=(builtin,), task=t, n=n,
-                                     engine=engine, env=self.p.env)
-                if samples is not None:
-                    out[i] = samples
-        pending = [i for i in range(len(tasks)) if i not in out]
-        if pending:
-            batched = single_turn([tasks[i] for i in pending], n, engine, self.p.tokenizer, params)
-            out.update(zip(pending, batched))
-        groups = [Group(t, out[i]) for i, t in enumerate(tasks)]
-        for g in groups:
-            for s in g.samples:
-                self.score(s)
+        with self.mode.lock_engines():
+            engine.sampling_params = params
+            if len(self.pm.hook.miles_rollout.get_hookimpls()) > 1:
+                for i, t in enumerate(tasks):
+                    samples = call_first(self.pm, "miles_rollout", skip=(builtin,), task=t, n=n,
+                                         engine=engine, env=self.p.env)
+                    if samples is not None:
+                        out[i] = samples
+            pending = [i for i in range(len(tasks)) if i not in out]
+            if pending:
+                batched = single_turn([tasks[i] for i in pending], n, engine, self.p.tokenizer, params)
+                out.update(zip(pending, batched))
+            groups = [Group(t, out[i]) for i, t in enumerate(tasks)]
+            for sample in (s for g in groups for s in g.samples):
+                self.score(sample)
         return groups
 
     def keep(self, g: Group) -> bool:
@@ -168,11 +169,8 @@ class Loop:
     def share(self, obj: Any) -> Any:
         """``obj`` as rank 0 has it, on every trainer rank."""
         trainer = self.p.trainer
-        if getattr(trainer, "world_size", 1) > 1:
-            return trainer.broadcast_object(obj)
-        return obj
+        return trainer.broadcast_object(obj) if getattr(trainer, "world_size", 1) > 1 else obj
 
-    # -- batches -----------------------------------------------------------------------------------
     def demo_samples(self, demos: Sequence, count: int, rng: random.Random) -> list[Sample]:
         tok, eos = self.p.tokenizer, self.p.tokenizer.eos_token_id
         picked = [rng.choice(demos) for _ in range(count)]
@@ -183,11 +181,9 @@ class Loop:
                 for (task, text), p, r in zip(picked, prompts, responses)]
 
     def loss_fn(self, algorithm: Any):
-        pm = self.pm
-
         def fn(batch: Batch, logprobs):
             batch, extra = self.mode.reweight(batch, logprobs)  # e.g. async: stale samples
-            custom = call_first(pm, "miles_loss", batch=batch, logprobs=logprobs)
+            custom = call_first(self.pm, "miles_loss", batch=batch, logprobs=logprobs)
             loss, metrics = custom if custom is not None else algorithm.loss(batch, logprobs)
             if batch.samples and batch.samples[0].logprobs:
                 diff = (logprobs.detach() - batch.rollout_logprobs).abs()
@@ -198,9 +194,8 @@ class Loop:
 
     def update(self, samples: list[Sample], advantages: list, algorithm: Any,
                temperature: float = 1.0, minibatches: int | None = None) -> dict[str, float]:
-        """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch (or
-        ``minibatches``). ``temperature``: the one the samples were generated at (log-probs are
-        scored at it)."""
+        """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch (or ``minibatches``).
+        ``temperature``: the one the samples were generated at (log-probs are scored at it)."""
         trainer = self.p.trainer
         build = getattr(algorithm, "make_batch", None)  # e.g. SFT's sequence packing
         batch = (build or Batch.from_samples)(samples, self.p.tokenizer.pad_token_id, advantages)
@@ -230,10 +225,9 @@ class Loop:
         return {**prepared, **totals}
 
     def engine_scored(self, mb: Batch) -> Batch:
-        """True on-policy: the engine's log-probs of exactly this mini-batch, computed by the
-        trainer's own routine (``trainer.response_logprobs``) on the engine's weights, which this
-        step has not changed yet: bitwise equal to the trainer's on the first mini-batch, and the
-        old policy's for the later ones."""
+        """True on-policy: the engine's log-probs of exactly this mini-batch, computed by the trainer's own
+        routine (``trainer.response_logprobs``) on the engine's weights, which this step has not changed yet:
+        bitwise equal to the trainer's on the first mini-batch, and the old policy's for the later ones."""
         fn = getattr(self.p.trainer, "response_logprobs", None)
         if self.main and (fn is None or not hasattr(self.p.engine, "score")):
             raise MilesError(f"rollout.true_on_policy needs a trainer with response_logprobs and an "
@@ -243,7 +237,6 @@ class Loop:
             lp = self.share(self.p.engine.score(mb, fn) if self.main else None)
         return replace(mb, rollout_logprobs=lp, old_logprobs=lp)
 
-    # -- phases ------------------------------------------------------------------------------------
     def warm_start(self) -> None:
         """Supervised training on demonstrations until eval accuracy plateaus."""
         ws, env = self.cfg.run.warm_start, self.p.env
@@ -280,7 +273,7 @@ class Loop:
         if log:
             log.close()
         weights = dict(self.p.trainer.named_weights())
-        self.p.trainer = self.make_trainer(self.cfg.settings("trainer"), self.p.algorithm)
+        self.new_trainer()
         self.p.trainer.load_weights(weights.items())
 
     def console(self, text: str) -> None:
@@ -331,10 +324,9 @@ class Loop:
 
     def _after_update(self, t_train: float) -> dict[str, Any]:
         """Timing of the update just made, then a new weight version pushed to the engines."""
-        m = {"train_seconds": time.perf_counter() - t_train}
+        seconds = time.perf_counter() - t_train
         self.version += 1
-        m.update(self.sync(wait=False))
-        return m
+        return {"train_seconds": seconds, **self.sync(wait=False)}
 
     def _check_finite(self, step: int, m: dict[str, Any]) -> None:
         """The trainer skips a step whose loss or gradient is NaN/inf (metric ``nonfinite_skipped``);
@@ -352,7 +344,6 @@ class Loop:
                              f"at step {step} in {self.cfg.run.out_dir}. Lower trainer.lr, check rewards "
                              f"and custom losses, or raise run.max_nonfinite_steps")
 
-    # -- the run -----------------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.main:
             return
@@ -373,13 +364,10 @@ class Loop:
 
     def open_loggers(self) -> None:
         run = self.cfg.run
-        if not self.main:
-            return
-        self.loggers = [builtin.JsonlLogger(out_dir=run.out_dir)]
-        for name, settings in self.cfg.loggers:
-            if name != "jsonl":
-                self.loggers.append(self.pm.create("loggers", name, settings, out_dir=run.out_dir,
-                                                   total_steps=run.steps))
+        if self.main:  # metrics.jsonl always; a configured "jsonl" is that same file
+            self.loggers = [builtin.JsonlLogger(out_dir=run.out_dir)] + [
+                self.pm.create("loggers", name, settings, out_dir=run.out_dir, total_steps=run.steps)
+                for name, settings in self.cfg.loggers if name != "jsonl"]
 
     def restore(self) -> int:
         """Resume from the newest checkpoint; the first step still to run."""
@@ -389,12 +377,9 @@ class Loop:
                                         found[1]["step"] if found else None)
         if not found:
             return 0
-        path, state = found
-        self.p.trainer = self.make_trainer(self.cfg.settings("trainer"), self.p.algorithm)
-        self.p.trainer.load(str(path / "trainer"))
-        self.version = state["weight_version"]
+        self.new_trainer(found)
         self.sync()
-        return state["step"] + 1
+        return found[1]["step"] + 1
 
     def _catch_signals(self) -> None:
         """First SIGINT/SIGTERM: finish the current step, checkpoint, stop. A second: abandon now."""
@@ -406,12 +391,7 @@ class Loop:
                 raise KeyboardInterrupt
             self.stop_signal = signum
             self.console(f"{signal.Signals(signum).name}: stopping after this step (again to abandon it)")
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, on_signal)
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        self._previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
@@ -429,7 +409,7 @@ class Loop:
                 if cfg.run.warm_start:
                     self.warm_start()
                 else:
-                    self.p.trainer = self.make_trainer(cfg.settings("trainer"), self.p.algorithm)
+                    self.new_trainer()
                 if getattr(self.p.algorithm, "needs_reference", False):
                     self.p.trainer.snapshot_reference()
                 self.sync()
@@ -448,9 +428,7 @@ class Loop:
                     m.update(self.evaluate())
                 self.log(step, m)
                 history.append({"step": step, **m})
-                if step % cfg.run.checkpoint_every == 0 or step == cfg.run.steps:
-                    self.save(step)
-                elif self.share(self.stop_signal):
+                if step % cfg.run.checkpoint_every == 0 or step == cfg.run.steps or self.share(self.stop_signal):
                     self.save(step)
                 if self.share(self.stop_signal):
                     raise Interrupted(f"{signal.Signals(self.stop_signal or signal.SIGTERM).name} after "
@@ -460,7 +438,8 @@ class Loop:
         finally:
             gc.unfreeze()
             self.mode.close()
-            self._restore_signals()
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
             for lg in self.loggers:
                 lg.close()
         return history

@@ -1,6 +1,7 @@
 """Plugin manager: entry-point discovery, launch-time modules, and component registries."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata as md
 import importlib.util
@@ -8,7 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pluggy
 
@@ -16,8 +17,7 @@ from . import hookspecs
 from .errors import PluginError
 
 GROUP = "miles.plugins"
-KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs", "launchers", "loggers",
-         "modes")
+KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs", "launchers", "loggers", "modes")
 # config section -> registry kind, for sections that select a component by ``name``
 SECTION_KINDS = {"model": "model_specs", "env": "envs", "engine": "engines", "algorithm": "algorithms",
                  "trainer": "trainers", "sync": "transports", "launcher": "launchers"}
@@ -44,7 +44,6 @@ class MilesPluginManager(pluggy.PluginManager):
         name = self.get_name(plugin) or repr(plugin)
         return self.origins.get(name, name)
 
-    # -- registries ------------------------------------------------------------------------------
     def registry(self, kind: str) -> dict[str, Component]:
         """Components of ``kind`` (e.g. ``"engines"``), collected from the registration hooks."""
         if self._registries is None:
@@ -53,8 +52,7 @@ class MilesPluginManager(pluggy.PluginManager):
 
     def _collect(self, kind: str) -> dict[str, Component]:
         found: dict[str, Component] = {}
-        hook = getattr(self.hook, f"miles_register_{kind}")
-        for impl in hook.get_hookimpls():
+        for impl in getattr(self.hook, f"miles_register_{kind}").get_hookimpls():
             who = self.describe(impl.plugin)
 
             def register(name: str, factory: Callable[..., Any], config: Any = None, _who=who) -> None:
@@ -70,8 +68,6 @@ class MilesPluginManager(pluggy.PluginManager):
         comp = self.registry(kind)[name]
         try:
             return comp.factory(cfg, **context)
-        except PluginError:
-            raise
         except ImportError as e:
             raise PluginError(f"{kind[:-1]} {name!r} from {comp.plugin} needs a package that is not "
                               f"installed: {e}. Install it (pip install {e.name or '...'})") from e
@@ -99,8 +95,7 @@ def make_plugin_manager(extra: list[str] = (), autoload: bool | None = None,
     pm = MilesPluginManager()
     from . import builtin
 
-    pm.register(builtin, name="miles.builtin")
-    pm.origins["miles.builtin"] = "miles (built-in)"
+    _register(pm, builtin, "miles.builtin", "miles (built-in)")
     if autoload is None:
         autoload = not os.environ.get("MILES_DISABLE_PLUGIN_AUTOLOAD")
     if allow is None and os.environ.get("MILES_PLUGINS"):
@@ -125,14 +120,10 @@ def make_plugin_manager(extra: list[str] = (), autoload: bool | None = None,
 
 
 def _entry_points():
-    eps = md.entry_points()
-    selected = eps.select(group=GROUP) if hasattr(eps, "select") else eps.get(GROUP, [])
-    seen, out = set(), []
-    for ep in sorted(selected, key=lambda e: e.name):
-        if ep.name not in seen:  # the same dist visible twice on sys.path
-            seen.add(ep.name)
-            out.append(ep)
-    return out
+    by_name: dict[str, Any] = {}
+    for ep in sorted(md.entry_points(group=GROUP), key=lambda e: e.name):
+        by_name.setdefault(ep.name, ep)  # the same dist visible twice on sys.path: the first wins
+    return list(by_name.values())
 
 
 def _register(pm: MilesPluginManager, module: Any, name: str, origin: str) -> None:
@@ -176,41 +167,30 @@ def plugin_table(pm: MilesPluginManager) -> list[dict[str, Any]]:
             by_plugin.setdefault(pm.get_name(impl.plugin), []).append(hook_name)
     rows, dists = [], md.packages_distributions()  # a scan of site-packages: once, not per row
     for name, plugin in pm.list_name_plugin():
-        origin = pm.origins.get(name, name)
         dist = dists.get((getattr(plugin, "__name__", "") or "").split(".")[0])
         dist_name = dist[0] if dist else ("miles" if name == "miles.builtin" else None)
         version = None
-        if dist_name:
-            try:
-                version = md.version(dist_name)
-            except md.PackageNotFoundError:
-                pass
-        rows.append({"name": name, "distribution": dist_name, "version": version, "origin": origin,
+        with contextlib.suppress(md.PackageNotFoundError):
+            version = md.version(dist_name) if dist_name else None
+        rows.append({"name": name, "distribution": dist_name, "version": version, "origin": pm.origins.get(name, name),
                      "hooks": by_plugin.get(name, [])})
     return rows
 
 
-def hook_impls(pm: pluggy.PluginManager, hook_name: str) -> list[Any]:
-    """Implementations of a hook in pluggy's call order (tryfirst ... trylast)."""
-    return list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
+def _results(pm: MilesPluginManager, hook_name: str, skip: tuple = (), **kwargs: Any) -> Iterator[Any]:
+    """Non-None results of a hook's implementations not in ``skip``, lazily, in pluggy's call order."""
+    for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
+        if impl.plugin not in skip:
+            result = call_hook(impl, pm.describe(impl.plugin), hook_name, **kwargs)
+            if result is not None:
+                yield result
 
 
 def call_first(pm: MilesPluginManager, hook_name: str, skip: tuple = (), **kwargs: Any) -> Any:
-    """firstresult dispatch that names the plugin when an implementation raises."""
-    for impl in hook_impls(pm, hook_name):
-        if impl.plugin in skip:
-            continue
-        result = call_hook(impl, pm.describe(impl.plugin), hook_name, **kwargs)
-        if result is not None:
-            return result
-    return None
+    """firstresult dispatch: the first non-None result (later implementations are not called)."""
+    return next(_results(pm, hook_name, skip, **kwargs), None)
 
 
 def call_all(pm: MilesPluginManager, hook_name: str, **kwargs: Any) -> list[Any]:
-    """Call every implementation (naming the plugin on error); the non-None results."""
-    out = []
-    for impl in hook_impls(pm, hook_name):
-        result = call_hook(impl, pm.describe(impl.plugin), hook_name, **kwargs)
-        if result is not None:
-            out.append(result)
-    return out
+    """Call every implementation; the non-None results."""
+    return list(_results(pm, hook_name, **kwargs))

@@ -1,9 +1,8 @@
 """Protocols of the named components. Plugins implement them; the kernel loop only talks to these.
 
-Each kind is registered through its ``miles_register_<kind>s(register)`` hook as
-``register(name, factory, config=PydanticModel)``. The kernel validates the component's config
-section (minus ``name``) with that model and calls ``factory(config, **context)`` with the
-keyword context listed on each protocol below.
+Each kind is registered by its ``miles_register_<kind>s`` hook as ``register(name, factory,
+config=PydanticModel)``; the kernel validates the component's config section (minus ``name``) with
+that model and calls ``factory(config, **context)`` with the keyword context listed on each protocol.
 """
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ class ModelSpec(Protocol):
     """
 
     def build_tokenizer(self, default: Any = None) -> Any: ...
-
     def build_model(self, tokenizer: Any) -> "torch.nn.Module": ...
 
 
@@ -45,7 +43,6 @@ class Env(Protocol):
     """
 
     def tasks(self, split: str) -> Sequence[Task]: ...
-
     def reward(self, sample: Sample) -> float: ...
 
 
@@ -80,32 +77,25 @@ class Trainer(Protocol):
     """Owns the policy (and reference) model and its optimizer. Factory context: ``spec``,
     ``tokenizer``, ``seed``, ``total_steps``.
 
-    ``logprobs(batch, which)``: no-grad log-probs ``[B, R]`` of the response tokens under
-    ``which`` in ``{"policy", "ref"}``; ``train_step(batch, loss_fn)``: one optimizer step over the
-    batch (micro-batched), returns averaged metrics; ``snapshot_reference()``: freeze the current
-    policy as the reference model; ``load_weights(named)``: set the policy's weights (HF names);
-    ``named_weights()``: full weights in HF names (an iterator, so
-    a sharded trainer can stream them); ``save(dir)``/``load(dir)``: full training state.
-    Optional, for an ``algorithm`` (factory context) with ``needs_critic``: ``values(batch)``:
-    no-grad ``[B, R]`` critic values (``V_t``: the state before response token ``t``);
-    ``train_critic(batch, value_loss_fn)``: one critic optimizer step on
-    ``value_loss_fn(batch, values) -> (loss, metrics)``, returns metrics.
-    Optional: ``response_logprobs(model, batch)``: the exact routine ``train_step`` scores with;
+    ``logprobs(batch, which)``: no-grad log-probs ``[B, R]`` of the response tokens under ``which``
+    in ``{"policy", "ref"}``; ``train_step(batch, loss_fn)``: one optimizer step over the batch
+    (micro-batched), returns averaged metrics; ``snapshot_reference()``: freeze the current policy as
+    the reference model; ``load_weights(named)``: set the policy's weights (HF names);
+    ``named_weights()``: full weights in HF names (an iterator, so a sharded trainer can stream them);
+    ``save(dir)``/``load(dir)``: full training state. Optional, for an ``algorithm`` (factory
+    context) with ``needs_critic``: ``values(batch)``: no-grad ``[B, R]`` critic values (``V_t``: the
+    state before response token ``t``); ``train_critic(batch, value_loss_fn)``: one critic optimizer
+    step on ``value_loss_fn(batch, values) -> (loss, metrics)``, returns metrics. Optional:
+    ``response_logprobs(model, batch)``: the exact routine ``train_step`` scores with;
     ``rollout.true_on_policy`` has the engine apply it to the engine's weights.
     """
 
     def logprobs(self, batch: Batch, which: str = "policy") -> "torch.Tensor": ...
-
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]: ...
-
     def snapshot_reference(self) -> None: ...
-
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None: ...
-
     def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]: ...
-
     def save(self, path: str) -> None: ...
-
     def load(self, path: str) -> None: ...
 
 
@@ -135,19 +125,16 @@ class Algorithm(Protocol):
     ``trainer.values(batch)`` in ``batch.extras["values"]`` and, after each policy step, calls
     ``trainer.train_critic(minibatch, algorithm.value_loss)``.
     Optional: ``supervised_samples(tokenizer, count, rng, version) -> list[Sample] | None``: a
-    supervised algorithm's own examples (e.g. a dataset file) instead of the env's
-    demonstrations; ``make_batch(samples, pad_id, advantages) -> Batch``: its own batch layout
-    (e.g. SFT's packed rows with a 4-D block-diagonal ``attention_mask``) instead of
-    ``Batch.from_samples``.
+    supervised algorithm's own examples (e.g. a dataset file) instead of the env's demonstrations;
+    ``make_batch(samples, pad_id, advantages) -> Batch``: its own batch layout (e.g. SFT's packed
+    rows with a 4-D block-diagonal ``attention_mask``) instead of ``Batch.from_samples``.
     """
 
     uses_rollout: bool
     needs_reference: bool
 
     def keep(self, group: Group) -> bool: ...
-
     def advantages(self, groups: Sequence[Group]) -> list[list[Any]]: ...
-
     def loss(self, batch: Batch, logprobs: "torch.Tensor") -> "tuple[torch.Tensor, dict[str, float]]": ...
 
 
@@ -178,11 +165,8 @@ class Mode(Protocol):
              wait: bool = True) -> dict[str, float]: ...
 
     def finish_push(self) -> dict[str, float]: ...
-
     def reweight(self, batch: Batch, logprobs: "torch.Tensor") -> tuple[Batch, dict[str, float]]: ...
-
     def lock_engines(self) -> ContextManager[Any]: ...
-
     def close(self) -> None: ...
 
 
@@ -205,5 +189,4 @@ class Logger(Protocol):
     """Metric sink. Factory context: ``out_dir``, ``total_steps``."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
-
     def close(self) -> None: ...

@@ -1,7 +1,5 @@
-"""Pytest helpers for plugin authors: a fresh plugin manager, sample/group factories, a tiny model.
-
-Use in a ``conftest.py``: ``from miles.testing import *  # noqa`` or import the functions.
-"""
+"""Pytest helpers for plugin authors: a fresh plugin manager, sample/group factories, a tiny model
+(use in a ``conftest.py``: ``from miles.testing import *  # noqa``, or import the functions)."""
 from __future__ import annotations
 
 import subprocess
@@ -61,9 +59,9 @@ class TinySpec:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(self.seed)
-        cfg = Qwen2Config(vocab_size=self.vocab or len(tokenizer), max_position_embeddings=128, tie_word_embeddings=True,
-                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                          **self.kw)
+        cfg = Qwen2Config(vocab_size=self.vocab or len(tokenizer), max_position_embeddings=128,
+                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id, **self.kw)
         return Qwen2ForCausalLM(cfg).eval()
 
 

@@ -1,8 +1,5 @@
-"""Data contracts shared by the kernel and every plugin.
-
-Plain dataclasses, no torch at import time. ``Batch`` holds torch tensors and is built lazily by
-``Batch.from_samples``; its shapes are documented on the class.
-"""
+"""Data contracts shared by the kernel and every plugin: plain dataclasses, no torch at import time
+(``Batch`` holds torch tensors; ``Batch.from_samples`` imports torch when called)."""
 from __future__ import annotations
 
 import enum
@@ -87,10 +84,8 @@ class Group:
 
 @dataclass
 class SamplingParams:
-    """Per-request generation settings (names follow SGLang's ``sampling_params``).
-
-    ``temperature == 0`` means greedy; ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
-    """
+    """Per-request generation settings (names follow SGLang's ``sampling_params``): ``temperature == 0``
+    means greedy; ``top_k <= 0`` and ``top_p >= 1`` disable those filters."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -165,11 +160,10 @@ class Batch:
             adv.append((list(a[:r]) if isinstance(a, (list, tuple)) else [float(a)] * r) + tail)
         ids, attn = torch.tensor(ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long)
         lmask, adv, rlp = (torch.tensor(x, dtype=torch.float) for x in (lmask, adv, rlp))
-        B = len(samples)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
         return cls(ids, attn, pos, P, lmask, adv, rlp, rewards, list(samples),
-                   global_tokens=float(lmask.sum().clamp(min=1)), global_samples=B)
+                   global_tokens=float(lmask.sum().clamp(min=1)), global_samples=len(samples))
 
     def select(self, idx: list[int]) -> "Batch":
         """Rows ``idx`` as a new Batch that keeps this batch's global denominators."""
