@@ -145,8 +145,8 @@ def main() -> None:
               f"samples/s; reward (last quarter) {r['reward_tail']:.3f}; eval_accuracy "
               f"{r['eval_first']:.3f} -> {r['eval_last']:.3f}; staleness_mean {r['staleness_mean']:.2f}")
     s, a = results["sync"], results["async"]
-    print(f"  learning at equal samples: async - sync reward (last quarter) {a['reward_tail'] - s['reward_tail']:+.3f}, "
-          f"final eval accuracy {a['eval_last'] - s['eval_last']:+.3f}")
+    print(f"  learning at equal samples: async - sync reward (last quarter) "
+          f"{a['reward_tail'] - s['reward_tail']:+.3f}, final eval accuracy {a['eval_last'] - s['eval_last']:+.3f}")
     plot(results, work / f"async_vs_sync_{args.device}.png", args.device)
     print(f"async_vs_sync samples/s ratio: {a['samples_per_s'] / s['samples_per_s']:.2f}x "
           f"(async {a['samples_per_s']:.1f} vs sync {s['samples_per_s']:.1f} samples/s)")

@@ -154,7 +154,8 @@ class Sync:
     def once(self) -> None:
         self.version += 1
         m = self.tr.sync(self.trainer, [self.engine], self.version)
-        self.parts = {k[12:-8] or "total": v for k, v in m.items() if k.startswith("weight_sync_") and k.endswith("_seconds")}
+        self.parts = {k[12:-8] or "total": v for k, v in m.items()
+                      if k.startswith("weight_sync_") and k.endswith("_seconds")}
 
     def close(self) -> None:
         import miles_wire as W

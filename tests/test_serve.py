@@ -59,8 +59,8 @@ class Served:
 
 def start(model_dir, log: Path, *args) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(model_dir), "--port", "0", *args, *SETTINGS],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    cmd = [sys.executable, "-m", "miles.cli", "serve", str(model_dir), "--port", "0", *args, *SETTINGS]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
 
 
 def wait_listening(proc: subprocess.Popen, log: Path, timeout: float = 120) -> int:

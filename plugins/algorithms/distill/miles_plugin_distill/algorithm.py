@@ -62,7 +62,8 @@ class Distill:
         teacher = iter(self.teacher.logprobs(samples))
         out = []
         for g in groups:
-            rl = reward_advantages(g.rewards, self.cfg.std_normalize) if self.cfg.reward_coef else [0.0] * len(g.samples)
+            rl = (reward_advantages(g.rewards, self.cfg.std_normalize) if self.cfg.reward_coef
+                  else [0.0] * len(g.samples))
             per_group = []
             for s, a in zip(g.samples, rl):
                 t = next(teacher)

@@ -55,8 +55,9 @@ def chat_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[in
     """The rendered conversation and the character spans of its assistant turns (each from the
     end of the generation prompt to the end of the turn, end-of-turn tokens included so the model
     learns to stop)."""
-    render = lambda msgs, gen=False: tokenizer.apply_chat_template(
-        msgs, tokenize=False, add_generation_prompt=gen)
+    def render(msgs, gen=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
     text = render(messages)
     spans = []
     for i, m in enumerate(messages):

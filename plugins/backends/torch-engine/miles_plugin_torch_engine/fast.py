@@ -28,6 +28,8 @@ from miles_wire.llama import llama_layout_problem
 from . import triton_ops
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the fast path cannot run ``model`` exactly as its own forward would (None: it can)."""
     return llama_layout_problem(model, SUPPORTED)
@@ -93,8 +95,8 @@ class LlamaFamilyForward:
         any generation, and right however the weights were replaced (in place, ``.data = ``, or
         a shared segment the trainer writes into)."""
         layers = self.inner.layers
-        srcs = [[l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.mlp.gate_proj,
-                 l.mlp.up_proj] for l in layers]
+        srcs = [[layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+                 layer.mlp.up_proj] for layer in layers]
         layout = (self.dtype, self.device, tuple(m.weight.shape for m in srcs[0]))
         if layout != self._fused_layout:
             self._fused = [{} for _ in layers]  # new buffers; otherwise refill in place (graphs)

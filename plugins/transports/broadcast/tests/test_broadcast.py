@@ -76,7 +76,9 @@ def test_packed_buckets_are_received_straight_into_the_parameters():
     later versions land in them with no copy. Tied names share a Parameter, so theirs is copied."""
     policy, engine, ref = Policy(), make_engine(), make_engine()
     transport = BroadcastTransport(BroadcastSyncConfig(verify=True, timeout_s=60))
-    homed = lambda: {n: p.data_ptr() for n, p in engine.model.named_parameters() if "embed" not in n}
+    def homed():
+        return {n: p.data_ptr() for n, p in engine.model.named_parameters() if "embed" not in n}
+
     before = homed()
     for version in (1, 2, 3):
         transport.sync(policy, [engine], version)
