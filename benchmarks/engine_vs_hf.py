@@ -170,7 +170,7 @@ def main() -> None:
         print(f"  {name:16s} {rate[name]:>12,.0f} tokens/s  (runs: {runs}{extra})")
     if device == "cpu":
         print(f"thread CPU time ratio: {cpu['generate'] / cpu['miles']:.2f}x (generate / miles)")
-    print(f"engine_vs_hf tokens/s ratio: {rate['miles'] / rate['generate']:.1f}x "
+    print(f"engine_vs_hf tokens/s ratio: {rate['miles'] / rate['generate']:.2f}x "
           f"(miles {rate['miles']:,.0f} vs generate {rate['generate']:,.0f})")
 
 

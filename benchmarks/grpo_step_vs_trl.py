@@ -255,7 +255,7 @@ def main() -> int:
     shapes = [{**SHAPES[n], **(dict(warmup=1, steps=2) if args.quick else {})} for n in names]
     ratios = [bench_shape(n, s) for n, s in zip(names, shapes)]
     print(f"\n{LEGEND}")
-    summary = ", ".join(f"{s['label']} {r:.1f}x (target {s['target']:g}x)" for s, r in zip(shapes, ratios))
+    summary = ", ".join(f"{s['label']} {r:.2f}x (target {s['target']:g}x)" for s, r in zip(shapes, ratios))
     print(f"grpo_step_vs_trl: {summary}")
     return 0
 
