@@ -45,7 +45,13 @@ from .sampling import sample
 
 TABLE_ELEMENTS = 1 << 22  # layer 0's q|k|v is tabled per token id below this many table entries
 PREFILL_ELEMENTS = 1 << 19  # gate|up activations per prefill chunk (2 MiB in float32)
-MIN_SLICE_ROWS = 8  # fewer rows per worker than this: the step runs on the calling thread
+# A decode step is split among workers only when each worker's share of a layer's GEMMs is at least
+# this many multiply-adds (and 8 rows): below it the slices' Python and dispatch, which take turns
+# on the GIL, cost more than the second core gives. Measured on 2 cores (one intra-op thread vs two
+# workers): the quickstart model (246k GEMM weights a layer) gains 1.2x at 64 rows a worker (16M)
+# but loses at 32 (8M: 0.146 s vs 0.137 s for 64 rows x 64 tokens, and 0.154 s vs 0.085 s for 32);
+# a 6-layer hidden-256 model (983k) gains 1.08x at 16 rows a worker (16M), 1.38x at 32.
+SLICE_MACS = 12_000_000
 
 
 def _linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -151,6 +157,7 @@ class CpuForward:
     def __init__(self, fwd: LlamaFamilyForward):
         self.fwd = fwd
         self.layers: list[_Layer] = []
+        self.min_slice_rows = 8  # rows a worker needs for a split decode step (set in ``prepare``)
 
     @torch.no_grad()
     def prepare(self) -> None:
@@ -161,6 +168,8 @@ class CpuForward:
         self.embed = f.inner.embed_tokens.weight
         if self.embed.shape[0] * self.layers[0].wqkv.shape[1] <= TABLE_ELEMENTS:
             self.layers[0].table = self.layers[0].qkv(self.embed, None)
+        lw = self.layers[0]
+        self.min_slice_rows = max(8, -(-SLICE_MACS // sum(w.numel() for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd))))
 
     def _rotate(self, lw: _Layer, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated q ``[..., H, D]`` and k ``[..., KV, D]`` of ``heads [..., H + 2 KV, D]``."""
@@ -370,7 +379,7 @@ class CpuFastGenerator(FastGenerator):
         """The decode step's logits into ``logits``, with workers a slice of the rows per thread
         (sampling stays on this thread, so the random stream is the same whatever the split)."""
         tok = self.runner.tok
-        if self.workers is None or live < MIN_SLICE_ROWS * self.k:
+        if self.workers is None or live < self.cpu.min_slice_rows * self.k:
             self.cpu.decode(tok[:live], pos, length, same, logits)
             return
         self._on_workers(lambda a, b: self.cpu.decode(tok[a:b], None if pos is None else pos[a:b], length,

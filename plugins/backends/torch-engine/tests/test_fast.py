@@ -238,10 +238,13 @@ def test_cpu_prefill_in_chunks(tok, monkeypatch):
     assert_logprobs_exact(eng.model, PROMPTS, groups)
 
 
-def test_cpu_workers(tok):
+def test_cpu_workers(tok, monkeypatch):
     """Decode steps and prefill split among 2 single-threaded worker threads: the same tokens as
     one thread (greedy: the uncached reference), log-probs as close to the full forward, while
     rows stop, leave and join at different positions."""
+    from miles_plugin_torch_engine import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "SLICE_MACS", 0)  # split this tiny model's steps too (8 rows a worker)
     stop = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[28, 42])
     sampled = SamplingParams(max_new_tokens=6, seed=2)
     one, two = make_engine(tok, max_batch_size=40), make_engine(tok, max_batch_size=40, cpu_workers=2)
@@ -252,6 +255,28 @@ def test_cpu_workers(tok):
         assert_logprobs_exact(two.model, PROMPTS, groups, params.temperature or 1.0)
     for prompt, g in zip(PROMPTS, two.generate(PROMPTS, stop, n=8)):
         assert all(c.token_ids == greedy_reference(two.model, prompt, 8, {28, 42, tok.eos_token_id}) for c in g)
+
+
+@pytest.mark.parametrize("slice_macs,split", [(0, True), (None, False)])
+def test_cpu_workers_split_only_big_slices(tok, monkeypatch, slice_macs, split):
+    """A decode step goes to the workers only when each one's share of a layer's GEMMs reaches
+    ``SLICE_MACS`` multiply-adds: the tiny test model's 40 rows stay on one thread by default."""
+    from miles_plugin_torch_engine import cpu_decode
+
+    if slice_macs is not None:
+        monkeypatch.setattr(cpu_decode, "SLICE_MACS", slice_macs)
+    eng = make_engine(tok, max_batch_size=40, cpu_workers=2)
+    cpu, firsts = eng._fast.cpu, []
+    real = cpu.decode
+    cpu.decode = lambda *a, **kw: firsts.append(kw.get("first", a[5] if len(a) > 5 else 0)) or real(*a, **kw)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    groups = eng.generate(PROMPTS, params, n=8)
+    layer = cpu.layers[0]
+    weights = sum(w.numel() for w in (layer.wqkv, layer.wo, layer.wgu, layer.wd))
+    assert cpu.min_slice_rows == max(8, -(-cpu_decode.SLICE_MACS // weights))
+    second_slices = sum(f > 0 for f in firsts)  # a split step decodes its second slice from a row > 0
+    assert firsts and ((second_slices >= 5) if split else (second_slices == 0))
+    assert tokens(groups) == tokens(make_engine(tok, max_batch_size=40).generate(PROMPTS, params, n=8))
 
 
 @pytest.mark.parametrize("arch,extra", [("Llama", dict(rope_theta=500000.0)),
