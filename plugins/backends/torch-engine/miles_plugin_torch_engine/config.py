@@ -23,6 +23,7 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
         True, description="fast path: replay the decode step from CUDA graphs (one per batch/length bucket)")
     cpu_workers: Optional[int] = Field(
         None, ge=1, description="fast path on CPU: decode steps split their rows among this many "
-        "worker threads of one intra-op thread each; unset: torch's intra-op thread count")
+        "worker threads of one intra-op thread each (steps too small to gain from it stay on one); unset: "
+        "torch's intra-op thread count")
     prefill_tokens: int = Field(
         16384, ge=1, description="fast path: max (padded) prompt tokens prefilled in one forward")
