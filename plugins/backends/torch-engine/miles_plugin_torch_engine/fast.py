@@ -170,11 +170,7 @@ class LlamaFamilyForward:
         cos, sin = self.cos[:T], self.sin[:T]
         for li, layer in enumerate(self.inner.layers):
             q, k, v = self._qkv(li, _rms(h, layer.input_layernorm), cos, sin, heads_dim=1)
-            # right padding: causal attention alone keeps real tokens off the pads (no mask needed)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.kv_heads != self.heads)
-            self.k_cache[li, rows, :, :T] = k.repeat_interleave(repeats, dim=0)
-            self.v_cache[li, rows, :, :T] = v.repeat_interleave(repeats, dim=0)
+            o = self._prefill_attention(li, q, k, v, rows, repeats)
             h = h + _lin(o.transpose(1, 2).reshape(P, T, -1), layer.self_attn.o_proj)
             h = self._mlp(li, h)
         last = h[torch.arange(P, device=h.device), lengths - 1]
@@ -191,13 +187,21 @@ class LlamaFamilyForward:
         x = triton_ops.add_rms_norm(h, None, layers[0].input_layernorm)
         for li in range(len(layers)):
             q, k, v = self._qkv(li, x.view(P, T, -1), cos, sin, heads_dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.kv_heads != self.heads)
-            self.k_cache[li, rows, :, :T] = k.repeat_interleave(repeats, dim=0)
-            self.v_cache[li, rows, :, :T] = v.repeat_interleave(repeats, dim=0)
+            o = self._prefill_attention(li, q, k, v, rows, repeats)
             x = self._fused_rest(li, h, o.transpose(1, 2).reshape(P * T, -1))
         last = x.view(P, T, -1)[torch.arange(P, device=x.device), lengths - 1]
         return last @ self.model.lm_head.weight.t()
+
+    def _prefill_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           rows: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:
+        """Layer ``li``'s causal attention over right-padded prompts ``[P, heads, T, D]`` (causality
+        alone keeps real tokens off the pads: no mask), and the keys/values into the prompts' cache
+        rows (``repeats[i]`` rows for prompt ``i``)."""
+        T = k.shape[2]
+        self.k_cache[li, rows, :, :T] = k.repeat_interleave(repeats, dim=0)
+        self.v_cache[li, rows, :, :T] = v.repeat_interleave(repeats, dim=0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                              enable_gqa=self.kv_heads != self.heads)
 
     def decode(self, tok: torch.Tensor, pos: torch.Tensor, length: int,
                out: torch.Tensor | None = None) -> torch.Tensor:

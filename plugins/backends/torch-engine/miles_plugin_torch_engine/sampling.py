@@ -51,7 +51,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     else:
         logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     race = logp
-    if 0 < params.top_k < logp.shape[-1] or params.top_p < 1.0:
+    if not plain:
         race = _filter(logp, params.top_k, params.top_p)
     elif logp.is_cpu:
         return _inverse_cdf(logp, gen)
