@@ -84,9 +84,13 @@ def _finish_reason(reason: str, tokens: list[int], abort_message: str | None) ->
     return {"type": "length", "length": len(tokens)}
 
 
-def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: float) -> list[dict]:
+def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: float,
+                   version: int) -> list[dict]:
     """SGLang's ``/generate`` response items, ordered as SGLang orders parallel samples: all
-    prompts' first samples, then all second samples (``GenerateReqInput._expand_inputs``)."""
+    prompts' first samples, then all second samples (``GenerateReqInput._expand_inputs``). Every
+    item carries a weight version, as SGLang's do: a request aborted before it ran reports
+    ``version``, the engine's now (a missing one reads as a server restarted from its model
+    folder to the sglang client, which would then push the same weights again)."""
     from miles.builtin import decode_batch
 
     n = req.items[0].n
@@ -104,7 +108,7 @@ def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: fl
                 "finish_reason": _finish_reason(comp.finish_reason if comp else "abort", tokens,
                                                 req.aborted),
                 "prompt_tokens": len(item.prompt), "completion_tokens": len(tokens),
-                "weight_version": comp.weight_version if comp else None, "e2e_latency": latency}
+                "weight_version": comp.weight_version if comp else version, "e2e_latency": latency}
         if logprobs:
             meta["output_token_logprobs"] = [
                 [lp, t, next(token_texts) if token_texts else None]
@@ -207,7 +211,7 @@ def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
             raise
         except Exception as e:  # noqa: BLE001 - the engine rejected the batch
             return _error(f"generation failed: {type(e).__name__}: {e}", 500)
-        out = format_outputs(req, body, tokenizer, started)
+        out = format_outputs(req, body, tokenizer, started, engine.weight_version)
         # the JSON is written here, not by FastAPI's jsonable_encoder, which would walk every
         # log-prob first (~19 ms for 128 samples of 5 tokens); escaped ASCII encodes ~25% faster
         # than JSONResponse's UTF-8 (both are valid JSON of the same values)

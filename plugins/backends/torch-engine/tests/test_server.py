@@ -198,6 +198,28 @@ def test_scheduler_answers_queued_requests_as_aborted_on_stop(engine):
     assert engine.calls == []
 
 
+def test_requests_aborted_while_queued_report_the_engine_weight_version(engine):
+    """An aborting pause answers queued requests at once; like SGLang's, each output carries the
+    engine's weight version (a missing one reads as a restarted server to the sglang client)."""
+    engine.weight_version = 7
+    app, sched = serve_app(engine)
+    sched.pause()
+
+    async def main():
+        t = asyncio.create_task(call(app, "POST", "/generate", json={"input_ids": [[2, 5], [2, 6]]}))
+        while sched.num_waiting < 1:
+            await asyncio.sleep(0.01)
+        paused = await call(app, "POST", "/pause_generation", json={"mode": "abort"})
+        return paused, (await t).json()
+
+    paused, outs = run(main())
+    assert paused.status_code == 200 and len(outs) == 2
+    assert [(o["meta_info"]["finish_reason"]["type"], o["meta_info"]["weight_version"], o["output_ids"])
+            for o in outs] == [("abort", 7, [])] * 2
+    assert engine.calls == []
+    sched.stop()
+
+
 def test_accepted_connections_send_without_delay():
     """asyncio sets TCP_NODELAY only on sockets accepted from an IPPROTO_TCP listener; without
     it every answer written in two pieces waited ~40 ms for the client's delayed ACK."""
