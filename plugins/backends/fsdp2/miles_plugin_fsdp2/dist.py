@@ -5,6 +5,7 @@ share is decided from that batch alone, so ranks agree on it without talking.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import os
@@ -46,12 +47,22 @@ def init_group(device: torch.device, world: int) -> None:
     if world == 1 and "MASTER_ADDR" not in os.environ:
         # a one-rank group (sharding asked for at world size 1) needs no rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
-        return
-    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise MilesError(f"the fsdp2 trainer runs {world} ranks but env {', '.join(missing)} is not "
-                         f"set; start every rank with torchrun or the local launcher")
-    dist.init_process_group(backend, **kw)
+    else:
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise MilesError(f"the fsdp2 trainer runs {world} ranks but env {', '.join(missing)} is "
+                             f"not set; start every rank with torchrun or the local launcher")
+        dist.init_process_group(backend, **kw)
+    atexit.register(destroy_groups)
+
+
+def destroy_groups() -> None:
+    """Destroy the process groups while the interpreter is whole: left to interpreter teardown,
+    gloo's worker threads may still hold tensors, and the process then dies of SIGABRT
+    ("terminate called without an active exception") after its run finished."""
+    _OBJECT_GROUPS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def object_group() -> Any:
