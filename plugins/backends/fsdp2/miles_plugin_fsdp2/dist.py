@@ -17,6 +17,8 @@ import torch.distributed as dist
 from miles import MilesError
 import miles_wire as W
 
+# torch 2.13 renames all_gather_into_tensor (deprecated there, with a warning on every call)
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # one gloo group per default process group, for Python objects and barriers: a second trainer in
 # the same process (warm start -> RL) reuses it instead of creating another
 _OBJECT_GROUPS: dict[int, Any] = {}
@@ -156,7 +158,7 @@ GATHER_BYTES = 256 << 20  # full-tensor bytes gathered per collective (bounds th
 def full_tensors(named: Any, limit: int = GATHER_BYTES) -> Any:
     """``(name, full tensor)`` for a state dict's ``(name, tensor)`` pairs, in order, on every
     rank: consecutive row-sharded DTensors of one dtype are gathered together, one
-    ``all_gather_into_tensor`` per ``limit`` bytes, instead of one collective per tensor (a
+    all-gather per ``limit`` bytes, instead of one collective per tensor (a
     transformer block's 9 tensors in one go). Plain tensors pass through; other placements fall
     back to ``full_tensor()``."""
     from torch.distributed.tensor import DTensor, Shard
@@ -200,7 +202,7 @@ def _gather_rows(group: list[tuple[str, Any]]) -> Any:
         send = torch.zeros(sum(sizes), dtype=like.dtype, device=like.device)
         torch._foreach_copy_([s[:m.numel()] for s, m in zip(send.split(sizes), locals_)], locals_)
     out = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
-    dist.all_gather_into_tensor(out, send, group=pg)
+    ALL_GATHER(out, send, group=pg)
     fulls = [torch.empty((world * chunk, *rest), dtype=send.dtype, device=send.device)
              for _, _, rest, chunk in plan]
     torch.split_with_sizes_copy(out.view(world, -1), sizes, dim=1,
