@@ -119,7 +119,7 @@ class Router:
                     continue
                 outs = answer if isinstance(answer, list) else [answer]
                 versions = [(o.get("meta_info") or {}).get("weight_version", held) for o in outs
-                            if isinstance(o, dict)]
+                            if isinstance(o, dict) and _generated(o)]
                 if not self._rebooted(server, held, versions):
                     return answer, server
         detail = "; ".join(errors) or "no healthy server: " + self.describe()
@@ -236,6 +236,13 @@ class Router:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _generated(out: dict) -> bool:
+    """Whether a ``/generate`` output holds tokens: one aborted before it ran tells nothing of
+    the weights the server holds (and reporting none for it must not read as a restart)."""
+    meta = out.get("meta_info") or {}
+    return bool(out.get("output_ids") or meta.get("completion_tokens") or meta.get("output_token_logprobs"))
 
 
 def int_version(v: Any) -> int | None:

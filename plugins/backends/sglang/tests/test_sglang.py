@@ -135,6 +135,29 @@ def test_a_restart_between_two_requests_is_noticed_from_the_versions_reported():
     asyncio.run(main())
 
 
+def test_an_output_aborted_before_it_ran_does_not_read_as_a_restart():
+    """Only outputs that hold tokens tell which weights a server has: an aborted, empty one
+    without a version is not a restart (it would make the loop push the same weights again)."""
+    import httpx
+
+    def answer(request):
+        return httpx.Response(200, json=[
+            {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "weight_version": None,
+                                             "completion_tokens": 0}},
+            {"output_ids": [3], "meta_info": {"weight_version": "5", "completion_tokens": 1}}])
+
+    async def main():
+        r = Router(["http://a"], api_key=None, timeout_s=1, max_retries=0, max_concurrency=1)
+        await r.close()
+        r._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        r.weights_pushed, r.servers[0].weight_version = True, "5"
+        out, server = await r.post("/generate", {})
+        assert len(out) == 2 and not server.stale and server.restarts == 0
+        await r.close()
+
+    asyncio.run(main())
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
