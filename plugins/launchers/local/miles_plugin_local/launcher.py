@@ -120,6 +120,12 @@ def initial_model(config: Any, pm: Any, path: str) -> None:
     if not hasattr(parts.spec, "save_pretrained"):
         raise MilesError(f"model spec {config.name('model')!r} cannot write a Hugging Face folder, "
                          f"which launcher.engines > 0 needs; use launcher.engines: 0")
+    try:  # this process only supervises: transformers' one-shard "Writing model shards" bar is noise
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
     parts.spec.save_pretrained(model.state_dict().items(), parts.tokenizer, path)
 
 

@@ -54,15 +54,7 @@ class HFModelSpec:
         model.load_state_dict(dict(named_weights), strict=True)
         tmp = f"{path.rstrip('/')}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        from transformers.utils import logging as hf_logging
-
-        bar = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is noise
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-        finally:
-            if bar:
-                hf_logging.enable_progress_bar()
+        model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if os.path.exists(path):
             shutil.rmtree(path)
