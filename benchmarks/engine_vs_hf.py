@@ -7,12 +7,15 @@ GPU (default): a randomly initialised Qwen2-0.5B-shaped model (hidden 896, 24 la
 tokens, 256 new tokens each. The engine runs its fast path (``impl: fast``: KV cache allocated
 once, continuous batching, CUDA graphs) with ``max_batch_size`` 256; the same engine with graphs
 off is measured too.
-``--device cpu``: the quickstart model (recipes/quickstart.yaml's ``model.config`` over the arith
-char vocabulary) in float32 on one thread, 64 prompts of 32 tokens, 64 new tokens each, with both
-the fast path (on CPU its own prefill/decode steps, ``cpu_decode.py``; the CPU float32 default)
-and the generic (``impl: hf``) engine path measured. On a shared machine other processes slow
-some runs down (and cost more to the side whose step is more cache-bound), so the CPU default is
-7 alternating repeats; the thread CPU time of each side's best run is printed too.
+``--device cpu``: the same benchmark with the quickstart model (recipes/quickstart.yaml's
+``model.config`` over the arith char vocabulary, its RoPE table sized to the shape) in float32 on
+one thread: the same 256 prompts of 128 tokens and 256 new tokens each, with both the fast path
+(on CPU its own prefill/decode steps, ``cpu_decode.py``; the CPU float32 default) and the generic
+(``impl: hf``) engine path measured. ``--prompts 64 --prompt-len 32 --new-tokens 64`` is a shape
+closer to the quickstart's own rollouts (short, so fixed per-op costs weigh more there). On a
+shared machine other processes slow some runs down (and cost more to the side whose step is more
+cache-bound), so the CPU default is 5 alternating repeats; the thread CPU time of each side's best
+run is printed too.
 
 Neither side stops early: ``generate`` gets no EOS id, the engine no stop ids, so both produce
 exactly prompts x new-tokens tokens (checked). The engine also returns every token's log-prob;
@@ -34,7 +37,7 @@ GPU_MODEL = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, 
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                  rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
 SHAPES = {"cuda": dict(prompts=256, prompt_len=128, new_tokens=256, dtype="bfloat16"),
-          "cpu": dict(prompts=64, prompt_len=32, new_tokens=64, dtype="float32")}
+          "cpu": dict(prompts=256, prompt_len=128, new_tokens=256, dtype="float32")}
 
 
 class _Prebuilt:
@@ -106,7 +109,7 @@ def timed(fn, device: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cuda 1, cpu 7)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cuda 1, cpu 5)")
     for key in ("prompts", "prompt_len", "new_tokens"):
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="override the shape")
     ap.add_argument("--threads", type=int, default=1,
@@ -121,7 +124,7 @@ def main() -> None:
     shape = SHAPES["cpu" if device == "cpu" else "cuda"]
     for key in ("prompts", "prompt_len", "new_tokens"):
         shape[key] = getattr(args, key) or shape[key]
-    repeats = args.repeats or (7 if device == "cpu" else 1)
+    repeats = args.repeats or (5 if device == "cpu" else 1)
     if device == "cpu":
         torch.set_num_threads(args.threads)
     model = build(device)

@@ -15,6 +15,13 @@ latter. So a layer here is about 30 kernels, each in HF's own op order:
 - Decode attention is two batched GEMMs over (row, KV head) items, the query heads of a KV head
   as that item's query rows (GQA without copies), with the softmax between them in the op order
   of torch's CPU flash kernel (:func:`_attend`). Prefill keeps SDPA (one call per layer).
+- Caches of ``fast.DIM_MAJOR_KEYS`` positions or more store keys dim-major, so q.k is a plain
+  GEMM over contiguous positions: at long contexts decode attention streams the whole cache
+  every step and is bound by memory bandwidth, and the q.k GEMM over position-major keys ran at
+  half of it (the quickstart model, 256 rows x 128+256 tokens: generation 10% faster; 64 rows x
+  64+128: 10-15%). Shorter caches keep keys position-major: there the strided write of each
+  step's keys costs what the GEMM saves, or more (a 6-layer hidden-256 model, 128 rows x 6+32
+  tokens: ~10% slower dim-major).
 - With a small vocabulary (character/byte tokenizers), layer 0's q|k|v of every token id is a
   table made once per ``generate``: that layer's first norm and GEMM become a row lookup.
 - The last prefill layer computes q, attention, o_proj and the MLP only at each prompt's last
@@ -23,12 +30,12 @@ latter. So a layer here is about 30 kernels, each in HF's own op order:
 
 Other formulations were measured and dropped. Slower: attention per row against all KV heads
 (block-diagonal queries over position-major keys, or spans of the cache with a block mask),
-which halves the GEMM items but multiplies their work by the KV heads; keys stored dim-major;
-MKL-packed weights. Further from HF's forward (which the trainer recomputes): RoPE as one
-complex multiply or ``addcmul`` (fused multiply-adds), ``torch.softmax`` before the GEMM with V
-(normalising before the sum instead of after, as the flash kernel does: the tests' worst
-log-prob deviation 8.6e-6 instead of 6.7e-6, against the 1e-5 they allow), and RMSNorm weights
-folded into the next GEMM. As it is, greedy tokens equal the uncached reference and log-probs
+which halves the GEMM items but multiplies their work by the KV heads; MKL-packed weights.
+Further from HF's forward (which the trainer recomputes): RoPE as one complex multiply or
+``addcmul`` (fused multiply-adds), ``torch.softmax`` before the GEMM with V (normalising
+before the sum instead of after, as the flash kernel does: the tests' worst log-prob deviation
+8.6e-6 instead of 6.7e-6, against the 1e-5 they allow), and RMSNorm weights folded into the
+next GEMM. As it is, greedy tokens equal the uncached reference and log-probs
 stay within the tests' 1e-5 of a full HF forward (worst ~7e-6, as on the generic path).
 """
 from __future__ import annotations

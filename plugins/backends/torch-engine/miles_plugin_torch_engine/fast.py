@@ -1,6 +1,7 @@
 """The fast path's model forward: Llama-family decoders (Llama, Qwen2, Qwen3, Mistral) run straight
 from the Hugging Face module's weights over a KV cache preallocated as ``[layers, slots, kv_heads,
-max_len, head_dim]``.
+max_len, head_dim]`` (on CPU, for long caches, the keys' storage is ``[..., head_dim, max_len]``
+seen through a transposed view: see ``cpu_decode``).
 
 One cache row ("slot") per sequence. Prefill runs right-padded prompts with causal SDPA (flash
 attention on GPU) and writes each prompt's keys/values into the ``n`` rows of its samples (the
@@ -27,6 +28,8 @@ from miles_wire.llama import llama_layout_problem
 
 from . import triton_ops
 
+# on CPU, caches of at least this many positions store keys dim-major (``cpu_decode`` says why)
+DIM_MAJOR_KEYS = 192
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
@@ -124,7 +127,10 @@ class LlamaFamilyForward:
         slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
         self.k_cache = self.v_cache = None  # free the old cache before taking the new one
         shape = (len(self.inner.layers), slots, self.kv_heads, max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu" and max_len >= DIM_MAJOR_KEYS:  # see cpu_decode; seen through a view
+            self.k_cache = torch.zeros(shape[:3] + shape[:2:-1], dtype=self.dtype).transpose(3, 4)
+        else:
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # HF's own rotary module makes the table, so rope_theta / scaling types are taken as they are
         pos = torch.arange(max_len, device=self.device)[None]

@@ -238,6 +238,30 @@ def test_cpu_prefill_in_chunks(tok, monkeypatch):
     assert_logprobs_exact(eng.model, PROMPTS, groups)
 
 
+def test_cpu_dim_major_keys(tok, monkeypatch):
+    """Long caches store keys dim-major behind a transposed view (here every cache): the same
+    tokens as position-major keys and log-probs as close to the full forward, through both cache
+    write paths (rows at one position; rows at different ones), stops that move rows, and workers."""
+    from miles_plugin_torch_engine import cpu_decode, fast
+
+    monkeypatch.setattr(cpu_decode, "SLICE_MACS", 0)
+    stop = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[28, 42])
+    cases = [(PROMPTS, stop), ([p[:2] for p in PROMPTS], stop), (PROMPTS, SamplingParams(max_new_tokens=6, seed=2))]
+
+    def run(workers):
+        eng = make_engine(tok, max_batch_size=24, cpu_workers=workers)
+        return eng, [eng.generate(prompts, params, n=4) for prompts, params in cases]
+
+    position_major = {w: run(w) for w in (1, 2)}
+    monkeypatch.setattr(fast, "DIM_MAJOR_KEYS", 0)
+    for w, (eng_pm, want) in position_major.items():
+        eng, got = run(w)
+        assert eng._fast.fwd.k_cache.stride(-1) != 1 and eng_pm._fast.fwd.k_cache.stride(-1) == 1
+        assert [tokens(g) for g in got] == [tokens(g) for g in want]
+        for (prompts, params), groups in zip(cases, got):
+            assert_logprobs_exact(eng.model, prompts, groups, params.temperature or 1.0)
+
+
 def test_cpu_workers(tok, monkeypatch):
     """Decode steps and prefill split among 2 single-threaded worker threads: the same tokens as
     one thread (greedy: the uncached reference), log-probs as close to the full forward, while
