@@ -6,9 +6,9 @@ microseconds of dispatch per op whatever its size; HF's forward spends most of a
 latter. So a layer here is about 30 kernels, each in HF's own op order:
 
 - RMSNorm is HF's float32 composite as seven kernels (bit-identical, checked once per width);
-  q|k|v and gate|up are one GEMM each on engine-owned concatenated weights (made at every
-  ``generate``, since the weights may have been replaced); the residual adds happen inside the
-  o/down GEMMs (``addmm``, bit-identical to the separate add here).
+  q|k|v and gate|up are one GEMM each on engine-owned concatenated weights, every weight stored
+  ``[in, out]`` (made at every ``generate``, since the weights may have been replaced); the
+  residual adds happen inside the o/down GEMMs (``addmm``, bit-identical to the separate add).
 - RoPE rotates q and k together (``x * cos + roll(x) * sin``, rotate_half's sign folded into sin).
 - When every row sits at the same position (prompts of one length) the cache writes are slice
   copies and attention needs no mask; otherwise indexed writes and one additive mask per step.
@@ -59,6 +59,14 @@ PREFILL_ELEMENTS = 1 << 19  # gate|up activations per prefill chunk (2 MiB in fl
 # but loses at 32 (8M: 0.146 s vs 0.137 s for 64 rows x 64 tokens, and 0.154 s vs 0.085 s for 32);
 # a 6-layer hidden-256 model (983k) gains 1.08x at 16 rows a worker (16M), 1.38x at 32.
 SLICE_MACS = 12_000_000
+
+
+def _in_out(*weights: torch.Tensor) -> torch.Tensor:
+    """Linear weights ``[out, in]`` side by side as one contiguous ``[in, sum(out)]`` copy: MKL's
+    GEMM is 5-20% faster on it than on the transposed view at decode sizes (AVX-512 Xeon, one
+    thread: 128 x 1024 @ 1024 x 256 in 646 us vs 761 us), and the copies are remade at every
+    ``generate`` anyway (q|k|v and gate|up are concatenated)."""
+    return torch.cat([w.t() for w in weights], 1)
 
 
 def _linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -126,22 +134,22 @@ class _Norm:
 
 
 class _Layer:
-    """One decoder layer's engine-owned weights (concatenated, transposed for ``mm``)."""
+    """One decoder layer's engine-owned weights (concatenated, stored ``[in, out]`` for ``mm``)."""
 
     def __init__(self, layer: Any, qk_norm: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.wqkv = torch.cat([p.weight for p in projs]).t()
+        self.wqkv = _in_out(*(p.weight for p in projs))
         self.bqkv = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
         q_cols = attn.q_proj.out_features  # the q and k|v parts, for the last prefill layer
         self.wq, self.wkv = self.wqkv[:, :q_cols], self.wqkv[:, q_cols:]
         self.bq, self.bkv = (None, None) if self.bqkv is None else (self.bqkv[:q_cols], self.bqkv[q_cols:])
-        self.wo, self.bo = attn.o_proj.weight.t(), attn.o_proj.bias
+        self.wo, self.bo = _in_out(attn.o_proj.weight), attn.o_proj.bias
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.wgu = torch.cat([gate.weight, up.weight]).t()
+        self.wgu = _in_out(gate.weight, up.weight)
         self.bgu = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
-        self.wd, self.bd = mlp.down_proj.weight.t(), mlp.down_proj.bias
+        self.wd, self.bd = _in_out(mlp.down_proj.weight), mlp.down_proj.bias
         self.inter = mlp.down_proj.in_features
         self.qk_norms = (_Norm(attn.q_norm), _Norm(attn.k_norm)) if qk_norm else None  # Qwen3
         self.table: torch.Tensor | None = None  # q|k|v per token id (layer 0, small vocabularies)
