@@ -77,10 +77,15 @@ def test_llama_with_biases():
     _check(m, b, _runs(b))
 
 
-def test_bitwise_equal_to_the_shared_prompt_hf_path():
+def test_equal_to_the_shared_prompt_hf_path_up_to_rounding():
+    """The same ops in the same order as HF's shared-prompt path. Bit for bit where the GEMM
+    library rounds a row the same whatever the number of rows in the call (MKL on an AVX2 host);
+    on AVX-512 MKL picks kernels by row count, and this path's one flat GEMM over all tokens then
+    differs by about an ulp from HF's per-call ones."""
     m, b = _model(), _batch(groups=(4, 4), same_prompt_len=True)
     with torch.no_grad():  # padding positions included
-        assert torch.equal(fast.response_logits(m, b, [4, 4]), _shared_prompt_logits(m, b, [4, 4]))
+        got, want = fast.response_logits(m, b, [4, 4]), _shared_prompt_logits(m, b, [4, 4])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_refuses_what_it_does_not_compute():
