@@ -3,9 +3,10 @@ from the Hugging Face module's weights, differentiably, over one flat ``[tokens,
 
 The same ops as the module's own forward, in the same order (on CPU the log-probs come out bit for
 bit equal to it where the GEMM library rounds a row the same whatever the call's row count, as MKL
-did on an AVX2 host; on AVX-512 MKL picks kernels by row count: about an ulp apart), without what the generic path spends besides the matmuls: the KV-cache object
-and its per-layer copies, the ``repeat_kv`` copies of every key/value head and their backward sums,
-the slices, negation and concatenation of each rotary embedding, and a second forward call.
+did on an AVX2 host; on AVX-512 MKL picks kernels by row count: about an ulp apart), without what
+the generic path spends besides the matmuls: the KV-cache object and its per-layer copies, the
+``repeat_kv`` copies of every key/value head and their backward sums, the slices, negation and
+concatenation of each rotary embedding, and a second forward call.
 
 Token layout: the prompt of each run of rows sharing it (``runs``), once (``G * P`` tokens), then
 every row's response inputs (``B * (R - 1)``). Norms, projections and the MLP see all tokens in

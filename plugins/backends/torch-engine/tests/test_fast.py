@@ -246,7 +246,8 @@ def test_cpu_dim_major_keys(tok, monkeypatch):
 
     monkeypatch.setattr(cpu_decode, "SLICE_MACS", 0)
     stop = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[28, 42])
-    cases = [(PROMPTS, stop), ([p[:2] for p in PROMPTS], stop), (PROMPTS, SamplingParams(max_new_tokens=6, seed=2))]
+    sampled = SamplingParams(max_new_tokens=6, seed=2)
+    cases = [(PROMPTS, stop), ([p[:2] for p in PROMPTS], stop), (PROMPTS, sampled)]
 
     def run(workers):
         eng = make_engine(tok, max_batch_size=24, cpu_workers=workers)
