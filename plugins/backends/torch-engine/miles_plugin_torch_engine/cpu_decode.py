@@ -6,9 +6,10 @@ microseconds of dispatch per op whatever its size; HF's forward spends most of a
 latter. So a layer here is about 30 kernels, each in HF's own op order:
 
 - RMSNorm is HF's float32 composite as seven kernels (bit-identical, checked once per width);
-  q|k|v and gate|up are one GEMM each on engine-owned concatenated weights, every weight stored
-  ``[in, out]`` (made at every ``generate``, since the weights may have been replaced); the
-  residual adds happen inside the o/down GEMMs (``addmm``, bit-identical to the separate add).
+  q|k|v and gate|up are one GEMM each on engine-owned concatenated weights (made at every
+  ``generate``, since the weights may have been replaced), MKL-packed on Intel CPUs, else stored
+  ``[in, out]`` with the residual adds inside the o/down GEMMs (``addmm``, bit-identical to the
+  separate add); see :class:`_Weight`.
 - RoPE rotates q and k together (``x * cos + roll(x) * sin``, rotate_half's sign folded into sin).
 - When every row sits at the same position (prompts of one length) the cache writes are slice
   copies and attention needs no mask; otherwise indexed writes and one additive mask per step.
@@ -30,7 +31,9 @@ latter. So a layer here is about 30 kernels, each in HF's own op order:
 
 Other formulations were measured and dropped. Slower: attention per row against all KV heads
 (block-diagonal queries over position-major keys, or spans of the cache with a block mask),
-which halves the GEMM items but multiplies their work by the KV heads; MKL-packed weights.
+which halves the GEMM items but multiplies their work by the KV heads; MKL-packed weights on
+an AMD EPYC host (on an Intel Xeon they are faster: :func:`_mkl_packs`); attention as broadcast
+multiplies and sums instead of batched GEMMs (2-4x slower at 8-64 positions).
 Further from HF's forward (which the trainer recomputes): RoPE as one complex multiply or
 ``addcmul`` (fused multiply-adds), ``torch.softmax`` before the GEMM with V (normalising
 before the sum instead of after, as the flash kernel does: the tests' worst log-prob deviation
@@ -61,21 +64,47 @@ PREFILL_ELEMENTS = 1 << 19  # gate|up activations per prefill chunk (2 MiB in fl
 SLICE_MACS = 12_000_000
 
 
-def _in_out(*weights: torch.Tensor) -> torch.Tensor:
-    """Linear weights ``[out, in]`` side by side as one contiguous ``[in, sum(out)]`` copy: MKL's
-    GEMM is 5-20% faster on it than on the transposed view at decode sizes (AVX-512 Xeon, one
-    thread: 128 x 1024 @ 1024 x 256 in 646 us vs 761 us), and the copies are remade at every
-    ``generate`` anyway (q|k|v and gate|up are concatenated)."""
-    return torch.cat([w.t() for w in weights], 1)
+def _mkl_packs() -> bool:
+    """Whether decode GEMMs use MKL-packed weights: torch built with MKL, on an Intel CPU. There,
+    multiplying by weights MKL packed once per ``generate`` (instead of repacking each operand at
+    every call) made a 6-layer hidden-256 model's GEMMs at 64 rows ~20% faster (AVX-512 Xeon,
+    one thread, each layer's weights cold in L3). On an AMD EPYC host they were slower, so
+    elsewhere weights are stored ``[in, out]`` for ``mm`` (5-20% faster there than the
+    transposed view)."""
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "GenuineIntel" in f.read(4096)
+    except OSError:
+        return False
 
 
-def _linear(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+MKL_PACKED = _mkl_packs()
 
 
-def _residual(h: torch.Tensor, x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``h + x @ wt (+ bias)``, the add inside the GEMM when there is no bias."""
-    return torch.addmm(h, x, wt) if bias is None else h + torch.addmm(bias, x, wt)
+class _Weight:
+    """Linear weights ``[out, in]`` stacked (q|k|v, gate|up) as the CPU steps multiply by them:
+    MKL-packed where :data:`MKL_PACKED`, else one contiguous ``[in, out]`` copy. Made at every
+    ``generate``, since the weights may have been replaced."""
+
+    def __init__(self, *weights: torch.Tensor):
+        self.rows = torch.cat(weights) if len(weights) > 1 else weights[0]  # [out, in]
+        self.out = self.rows.shape[0]
+        # a pack serves any row count (the batch size given here only sizes MKL's blocking)
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.rows, 64) if MKL_PACKED else None
+        self.io = None if MKL_PACKED else self.rows.t().contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.rows, bias, x.shape[0])
+        return torch.mm(x, self.io) if bias is None else torch.addmm(bias, x, self.io)
+
+    def residual(self, h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``h + x @ W.T (+ bias)``; unpacked without bias, the add inside the GEMM."""
+        if self.packed is None and bias is None:
+            return torch.addmm(h, x, self.io)
+        return self(x, bias).add_(h)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -140,16 +169,16 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.wqkv = _in_out(*(p.weight for p in projs))
+        self.wqkv = _Weight(*(p.weight for p in projs))
         self.bqkv = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
-        q_cols = attn.q_proj.out_features  # the q and k|v parts, for the last prefill layer
-        self.wq, self.wkv = self.wqkv[:, :q_cols], self.wqkv[:, q_cols:]
-        self.bq, self.bkv = (None, None) if self.bqkv is None else (self.bqkv[:q_cols], self.bqkv[q_cols:])
-        self.wo, self.bo = _in_out(attn.o_proj.weight), attn.o_proj.bias
+        q_rows = attn.q_proj.out_features  # the q and k|v parts, for the last prefill layer
+        self.wq, self.wkv = self.wqkv.rows[:q_rows], self.wqkv.rows[q_rows:]
+        self.bq, self.bkv = (None, None) if self.bqkv is None else (self.bqkv[:q_rows], self.bqkv[q_rows:])
+        self.wo, self.bo = _Weight(attn.o_proj.weight), attn.o_proj.bias
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.wgu = _in_out(gate.weight, up.weight)
+        self.wgu = _Weight(gate.weight, up.weight)
         self.bgu = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
-        self.wd, self.bd = _in_out(mlp.down_proj.weight), mlp.down_proj.bias
+        self.wd, self.bd = _Weight(mlp.down_proj.weight), mlp.down_proj.bias
         self.inter = mlp.down_proj.in_features
         self.qk_norms = (_Norm(attn.q_norm), _Norm(attn.k_norm)) if qk_norm else None  # Qwen3
         self.table: torch.Tensor | None = None  # q|k|v per token id (layer 0, small vocabularies)
@@ -157,12 +186,12 @@ class _Layer:
     def qkv(self, h: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
         if self.table is not None:
             return torch.embedding(self.table, ids)
-        return _linear(self.norm1(h), self.wqkv, self.bqkv)
+        return self.wqkv(self.norm1(h), self.bqkv)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gu = _linear(self.norm2(h), self.wgu, self.bgu)
+        gu = self.wgu(self.norm2(h), self.bgu)
         act = F.silu(gu.narrow(-1, 0, self.inter)).mul_(gu.narrow(-1, self.inter, self.inter))
-        return _residual(h, act, self.wd, self.bd)
+        return self.wd.residual(h, act, self.bd)
 
 
 class CpuForward:
@@ -181,10 +210,10 @@ class CpuForward:
         self.norm = _Norm(f.inner.norm)
         self.lm_head = f.model.lm_head.weight.t()
         self.embed = f.inner.embed_tokens.weight
-        if self.embed.shape[0] * self.layers[0].wqkv.shape[1] <= TABLE_ELEMENTS:
+        if self.embed.shape[0] * self.layers[0].wqkv.out <= TABLE_ELEMENTS:
             self.layers[0].table = self.layers[0].qkv(self.embed, None)
         lw = self.layers[0]
-        self.min_slice_rows = max(8, -(-SLICE_MACS // sum(w.numel() for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd))))
+        self.min_slice_rows = max(8, -(-SLICE_MACS // sum(w.rows.numel() for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd))))
 
     def _rotate(self, lw: _Layer, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated q ``[..., H, D]`` and k ``[..., KV, D]`` of ``heads [..., H + 2 KV, D]``."""
@@ -228,7 +257,7 @@ class CpuForward:
             else:
                 f.k_cache[li][at], f.v_cache[li][at] = k, heads.narrow(1, H + KV, KV)
             o = _attend(q.reshape(B * KV, H // KV, D), keys[li], values[li], mask, f.scale)
-            h = lw.mlp(_residual(h, o.view(B, H * D), lw.wo, lw.bo))
+            h = lw.mlp(lw.wo.residual(h, o.view(B, H * D), lw.bo))
         return torch.mm(self.norm(h), self.lm_head, out=out)
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
@@ -241,7 +270,7 @@ class CpuForward:
         (cache-sized: 64 prompts of 32 tokens prefill ~15% faster as four chunks), each chunk
         padded only to its own longest prompt."""
         P, T = ids.shape
-        per = max(1, PREFILL_ELEMENTS // (T * self.layers[0].wgu.shape[1]))
+        per = max(1, PREFILL_ELEMENTS // (T * self.layers[0].wgu.out))
         if per >= P:
             return self._prefill(ids, lengths, int(rows[0]), repeats)
         ends = torch.cumsum(repeats, 0).tolist()
@@ -266,8 +295,8 @@ class CpuForward:
             final = li + 1 == len(self.layers)
             if final and lw.table is None:  # q only at each prompt's last token
                 x = lw.norm1(h)
-                kv = _linear(x, lw.wkv, lw.bkv).view(P, T, 2 * KV, D)
-                q = _linear(x.view(P, T, -1)[at, last], lw.wq, lw.bq).view(P, H, D)
+                kv = F.linear(x, lw.wkv, lw.bkv).view(P, T, 2 * KV, D)
+                q = F.linear(x.view(P, T, -1)[at, last], lw.wq, lw.bq).view(P, H, D)
                 q = self._rotate_one(lw, 0, q, f.cos[last, None], f.sin[last, None])  # [P, H, D]
                 k, v = self._rotate_one(lw, 1, kv.narrow(2, 0, KV), cos, sin), kv.narrow(2, KV, KV)
             else:
@@ -281,12 +310,12 @@ class CpuForward:
             if not final:  # right padding: causal attention keeps real tokens off pads
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=f.scale,
                                                    enable_gqa=KV != H)
-                h = lw.mlp(_residual(h, o.transpose(1, 2).reshape(P * T, H * D), lw.wo, lw.bo))
+                h = lw.mlp(lw.wo.residual(h, o.transpose(1, 2).reshape(P * T, H * D), lw.bo))
                 continue
             mask = None if int(lengths.min()) == T else (torch.arange(T) < lengths[:, None])[:, None, None]
             o = F.scaled_dot_product_attention(q.reshape(P, KV, H // KV, D), k, v, attn_mask=mask,
                                                scale=f.scale)
-            h = lw.mlp(_residual(h.view(P, T, -1)[at, last], o.reshape(P, H * D), lw.wo, lw.bo))
+            h = lw.mlp(lw.wo.residual(h.view(P, T, -1)[at, last], o.reshape(P, H * D), lw.bo))
         return torch.mm(self.norm(h), self.lm_head)
 
 

@@ -263,6 +263,27 @@ def test_cpu_dim_major_keys(tok, monkeypatch):
             assert_logprobs_exact(eng.model, prompts, groups, params.temperature or 1.0)
 
 
+# the packed case exists where torch has MKL's packed GEMM (x86 builds)
+@pytest.mark.parametrize("packed", [False] + [True] * (torch.backends.mkl.is_available()
+                                                      and hasattr(torch.ops.mkl, "_mkl_linear")))
+def test_cpu_weight_layouts(tok, monkeypatch, packed):
+    """Both ways the CPU steps hold weights (MKL-packed where torch has MKL on an Intel CPU, else
+    ``[in, out]`` copies): greedy tokens equal the uncached reference and log-probs the full
+    forward's, through prefill (with its last-layer shortcut), decode, biases and 2 workers."""
+    from miles_plugin_torch_engine import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "MKL_PACKED", packed)
+    monkeypatch.setattr(cpu_decode, "SLICE_MACS", 0)
+    stop = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[28, 42])
+    for workers in (1, 2):
+        eng = make_engine(tok, max_batch_size=24, cpu_workers=workers)
+        groups = eng.generate(PROMPTS, stop, n=2)
+        assert (eng._fast.cpu.layers[0].wgu.packed is not None) == packed
+        for prompt, g in zip(PROMPTS, groups):
+            assert all(c.token_ids == greedy_reference(eng.model, prompt, 8, {28, 42, tok.eos_token_id}) for c in g)
+        assert_logprobs_exact(eng.model, PROMPTS, groups)
+
+
 def test_cpu_workers(tok, monkeypatch):
     """Decode steps and prefill split among 2 single-threaded worker threads: the same tokens as
     one thread (greedy: the uncached reference), log-probs as close to the full forward, while
@@ -297,7 +318,7 @@ def test_cpu_workers_split_only_big_slices(tok, monkeypatch, slice_macs, split):
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     groups = eng.generate(PROMPTS, params, n=8)
     layer = cpu.layers[0]
-    weights = sum(w.numel() for w in (layer.wqkv, layer.wo, layer.wgu, layer.wd))
+    weights = sum(w.rows.numel() for w in (layer.wqkv, layer.wo, layer.wgu, layer.wd))
     assert cpu.min_slice_rows == max(8, -(-cpu_decode.SLICE_MACS // weights))
     second_slices = sum(f > 0 for f in firsts)  # a split step decodes its second slice from a row > 0
     assert firsts and ((second_slices >= 5) if split else (second_slices == 0))
