@@ -7,9 +7,9 @@ latter. So a layer here is about 30 kernels, each in HF's own op order:
 
 - RMSNorm is HF's float32 composite as seven kernels (bit-identical, checked once per width);
   q|k|v and gate|up are one GEMM each on engine-owned concatenated weights (made at every
-  ``generate``, since the weights may have been replaced), MKL-packed on Intel CPUs, else stored
-  ``[in, out]`` with the residual adds inside the o/down GEMMs (``addmm``, bit-identical to the
-  separate add); see :class:`_Weight`.
+  ``generate``, since the weights may have been replaced): MKL-packed on Intel CPUs for layers
+  too big for L2, else stored ``[in, out]`` with the residual adds inside the o/down GEMMs
+  (``addmm``, bit-identical to the separate add); see :class:`_Weight`.
 - RoPE rotates q and k together (``x * cos + roll(x) * sin``, rotate_half's sign folded into sin).
 - When every row sits at the same position (prompts of one length) the cache writes are slice
   copies and attention needs no mask; otherwise indexed writes and one additive mask per step.
@@ -65,7 +65,7 @@ SLICE_MACS = 12_000_000
 
 
 def _mkl_packs() -> bool:
-    """Whether decode GEMMs use MKL-packed weights: torch built with MKL, on an Intel CPU. There,
+    """Whether the CPU steps may use MKL-packed weights: torch built with MKL, on an Intel CPU. There,
     multiplying by weights MKL packed once per ``generate`` (instead of repacking each operand at
     every call) made a 6-layer hidden-256 model's GEMMs at 64 rows ~20% faster (AVX-512 Xeon,
     one thread, each layer's weights cold in L3). On an AMD EPYC host they were slower, so
@@ -81,19 +81,23 @@ def _mkl_packs() -> bool:
 
 
 MKL_PACKED = _mkl_packs()
+# ... for layers of at least this many weights: the gain is in streaming weights that no longer
+# sit in L2 between steps. The quickstart model's layers (246k weights, 1 MiB) generated 5%
+# slower packed (64 rows x 32+64 tokens), a 6-layer hidden-256 model's (983k) 5-10% faster.
+PACK_ELEMENTS = 1 << 19
 
 
 class _Weight:
     """Linear weights ``[out, in]`` stacked (q|k|v, gate|up) as the CPU steps multiply by them:
-    MKL-packed where :data:`MKL_PACKED`, else one contiguous ``[in, out]`` copy. Made at every
-    ``generate``, since the weights may have been replaced."""
+    MKL-packed (``pack``), else one contiguous ``[in, out]`` copy. Made at every ``generate``,
+    since the weights may have been replaced."""
 
-    def __init__(self, *weights: torch.Tensor):
+    def __init__(self, *weights: torch.Tensor, pack: bool):
         self.rows = torch.cat(weights) if len(weights) > 1 else weights[0]  # [out, in]
         self.out = self.rows.shape[0]
         # a pack serves any row count (the batch size given here only sizes MKL's blocking)
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.rows, 64) if MKL_PACKED else None
-        self.io = None if MKL_PACKED else self.rows.t().contiguous()
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.rows, 64) if pack else None
+        self.io = None if pack else self.rows.t().contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -169,16 +173,18 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.wqkv = _Weight(*(p.weight for p in projs))
+        linears = (*projs, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        pack = MKL_PACKED and sum(m.weight.numel() for m in linears) >= PACK_ELEMENTS
+        self.wqkv = _Weight(*(p.weight for p in projs), pack=pack)
         self.bqkv = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
         q_rows = attn.q_proj.out_features  # the q and k|v parts, for the last prefill layer
         self.wq, self.wkv = self.wqkv.rows[:q_rows], self.wqkv.rows[q_rows:]
         self.bq, self.bkv = (None, None) if self.bqkv is None else (self.bqkv[:q_rows], self.bqkv[q_rows:])
-        self.wo, self.bo = _Weight(attn.o_proj.weight), attn.o_proj.bias
+        self.wo, self.bo = _Weight(attn.o_proj.weight, pack=pack), attn.o_proj.bias
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.wgu = _Weight(gate.weight, up.weight)
+        self.wgu = _Weight(gate.weight, up.weight, pack=pack)
         self.bgu = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
-        self.wd, self.bd = _Weight(mlp.down_proj.weight), mlp.down_proj.bias
+        self.wd, self.bd = _Weight(mlp.down_proj.weight, pack=pack), mlp.down_proj.bias
         self.inter = mlp.down_proj.in_features
         self.qk_norms = (_Norm(attn.q_norm), _Norm(attn.k_norm)) if qk_norm else None  # Qwen3
         self.table: torch.Tensor | None = None  # q|k|v per token id (layer 0, small vocabularies)

@@ -273,6 +273,7 @@ def test_cpu_weight_layouts(tok, monkeypatch, packed):
     from miles_plugin_torch_engine import cpu_decode
 
     monkeypatch.setattr(cpu_decode, "MKL_PACKED", packed)
+    monkeypatch.setattr(cpu_decode, "PACK_ELEMENTS", 0)  # the tiny test model's layers too
     monkeypatch.setattr(cpu_decode, "SLICE_MACS", 0)
     stop = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[28, 42])
     for workers in (1, 2):
