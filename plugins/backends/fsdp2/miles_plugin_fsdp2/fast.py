@@ -8,6 +8,12 @@ the generic path spends besides the matmuls: the KV-cache object and its per-lay
 ``repeat_kv`` copies of every key/value head and their backward sums, the slices, negation and
 concatenation of each rotary embedding, and a second forward call.
 
+With a small vocabulary (character tokenizers: at most ``TABLE_SHARE`` of the batch's tokens),
+layer 0's q, k and v are looked up in a table made over the vocabulary, as the torch engine does
+in decode: that layer's first norm and projections see each token id once instead of every
+position (the same values up to GEMM rounding; the embedding's padding row still gets no
+gradient). A 6-layer hidden-256 model over 14 ids trains ~5% faster.
+
 Token layout: the prompt of each run of rows sharing it (``runs``), once (``G * P`` tokens), then
 every row's response inputs (``B * (R - 1)``). Norms, projections and the MLP see all tokens in
 one matmul each; attention splits them: prompts attend causally among themselves (left padding
@@ -24,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from miles_wire.llama import llama_layout_problem
+
+TABLE_SHARE = 0.5  # layer 0's q|k|v tabled per token id when the vocabulary is at most this share of the tokens
 
 # exact class names: FSDP2's fully_shard swaps in an "FSDP..." subclass, whose hooks gather the
 # sharded weights this path would bypass
@@ -125,11 +133,24 @@ def _attention(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return torch.cat([op, orr.view(B, heads, R1, D).transpose(1, 2).reshape(B * R1, heads * D)])
 
 
+def _tabled_qkv(tokens: torch.Tensor, layer: Any, embed: torch.nn.Embedding) -> list[torch.Tensor]:
+    """The first layer's q, k, v of each token, from a table over the vocabulary."""
+    w = embed.weight
+    if embed.padding_idx is not None:  # as nn.Embedding: no gradient into the padding row
+        pad = torch.arange(w.shape[0], device=w.device) == embed.padding_idx % w.shape[0]
+        w = torch.where(pad[:, None], w.detach(), w)
+    h = _rms(w, layer.input_layernorm)
+    sa = layer.self_attn
+    return [F.embedding(tokens, _lin(h, m)) for m in (sa.q_proj, sa.k_proj, sa.v_proj)]
+
+
 def _layer(plan: _Plan, layer: Any, x: torch.Tensor, heads: int, kv_heads: int, D: int,
-           scale: float) -> torch.Tensor:
+           scale: float, qkv: list[torch.Tensor] | None = None) -> torch.Tensor:
     T, sa, mlp = x.shape[0], layer.self_attn, layer.mlp
-    h = _rms(x, layer.input_layernorm)
-    q, k, v = _lin(h, sa.q_proj), _lin(h, sa.k_proj), _lin(h, sa.v_proj)
+    if qkv is None:
+        h = _rms(x, layer.input_layernorm)
+        qkv = [_lin(h, sa.q_proj), _lin(h, sa.k_proj), _lin(h, sa.v_proj)]
+    q, k, v = qkv
     # HF's x * cos + rotate_half(x) * sin, the sign of rotate_half folded into the sin table
     # (-a * s == a * -s exactly): one roll instead of two slices, a negation and a cat
     q, k = ((t.view(T, -1, D) * plan.cos + torch.roll(t.view(T, -1, D), D // 2, dims=-1) * plan.sin)
@@ -148,9 +169,13 @@ def response_logits(model: torch.nn.Module, batch: Any, runs: list[int]) -> torc
     attn0 = inner.layers[0].self_attn
     D = attn0.q_proj.out_features // heads
     plan = _Plan(model, batch, runs, heads // kv_heads)
-    x = inner.embed_tokens(plan.tokens)
+    embed = inner.embed_tokens
+    x = embed(plan.tokens)
+    qkv = (_tabled_qkv(plan.tokens, inner.layers[0], embed)
+           if embed.num_embeddings <= TABLE_SHARE * len(plan.tokens) else None)
     for layer in inner.layers:
-        x = _layer(plan, layer, x, heads, kv_heads, D, getattr(layer.self_attn, "scaling", D ** -0.5))
+        x = _layer(plan, layer, x, heads, kv_heads, D, getattr(layer.self_attn, "scaling", D ** -0.5), qkv)
+        qkv = None
     P, Tp, w = plan.P, plan.Tp, model.lm_head.weight
     # two matmuls, as the HF path makes them (one over all rows rounds the first token differently)
     first = F.linear(_rms(x[P - 1:Tp:P], inner.norm), w).float()  # each run's last prompt token

@@ -51,10 +51,18 @@ def _check(model, b, runs, atol=2e-5):
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_equals_the_hf_forward_with_padding_and_gradients(shared):
+@pytest.mark.parametrize("tabled", [True, False])
+def test_equals_the_hf_forward_with_padding_and_gradients(shared, tabled, monkeypatch):
+    """Log-probs and every parameter's gradient (the embedding's padding row included, which gets
+    none) as the HF forward's, with layer 0's q|k|v from the per-token-id table or computed."""
+    monkeypatch.setattr(fast, "TABLE_SHARE", 1e9 if tabled else 0.0)
+    calls = []
+    real = fast._tabled_qkv
+    monkeypatch.setattr(fast, "_tabled_qkv", lambda *a: calls.append(1) or real(*a))
     m, b = _model(), _batch()
-    assert fast.usable(m, b)
+    assert fast.usable(m, b) and b.input_ids.eq(m.config.pad_token_id).any()
     _check(m, b, _runs(b) if shared else [1] * len(b))
+    assert bool(calls) == tabled
 
 
 def test_uniform_groups_and_a_one_token_response():
@@ -66,7 +74,9 @@ def test_uniform_groups_and_a_one_token_response():
     _check(m, one, [2])
 
 
-def test_llama_with_biases():
+@pytest.mark.parametrize("tabled", [True, False])
+def test_llama_with_biases(tabled, monkeypatch):
+    monkeypatch.setattr(fast, "TABLE_SHARE", 1e9 if tabled else 0.0)
     m = _model("llama", attention_bias=True, mlp_bias=True)
     with torch.no_grad():
         for p in m.parameters():
@@ -77,12 +87,13 @@ def test_llama_with_biases():
     _check(m, b, _runs(b))
 
 
-def test_equal_to_the_shared_prompt_hf_path_up_to_rounding():
+def test_equal_to_the_shared_prompt_hf_path_up_to_rounding(monkeypatch):
     """The same ops in the same order as HF's shared-prompt path. Bit for bit where the GEMM
     library rounds a row the same whatever the number of rows in the call (MKL on an AVX2 host);
     on AVX-512 MKL picks kernels by row count, and this path's one flat GEMM over all tokens then
     differs by about an ulp from HF's per-call ones."""
     m, b = _model(), _batch(groups=(4, 4), same_prompt_len=True)
+    monkeypatch.setattr(fast, "TABLE_SHARE", 0.0)  # the table is another op order
     with torch.no_grad():  # padding positions included
         got, want = fast.response_logits(m, b, [4, 4]), _shared_prompt_logits(m, b, [4, 4])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
