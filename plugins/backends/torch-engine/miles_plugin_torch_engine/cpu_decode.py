@@ -93,7 +93,7 @@ class _Weight:
     since the weights may have been replaced."""
 
     def __init__(self, *weights: torch.Tensor, pack: bool):
-        self.rows = torch.cat(weights) if len(weights) > 1 else weights[0]  # [out, in]
+        self.rows = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()  # [out, in]
         self.out = self.rows.shape[0]
         # a pack serves any row count (the batch size given here only sizes MKL's blocking)
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.rows, 64) if pack else None
