@@ -173,9 +173,9 @@ def response_logits(model: torch.nn.Module, batch: Any, runs: list[int]) -> torc
     x = embed(plan.tokens)
     qkv = (_tabled_qkv(plan.tokens, inner.layers[0], embed)
            if embed.num_embeddings <= TABLE_SHARE * len(plan.tokens) else None)
-    for layer in inner.layers:
-        x = _layer(plan, layer, x, heads, kv_heads, D, getattr(layer.self_attn, "scaling", D ** -0.5), qkv)
-        qkv = None
+    for i, layer in enumerate(inner.layers):
+        x = _layer(plan, layer, x, heads, kv_heads, D, getattr(layer.self_attn, "scaling", D ** -0.5),
+                   qkv if i == 0 else None)
     P, Tp, w = plan.P, plan.Tp, model.lm_head.weight
     # two matmuls, as the HF path makes them (one over all rows rounds the first token differently)
     first = F.linear(_rms(x[P - 1:Tp:P], inner.norm), w).float()  # each run's last prompt token

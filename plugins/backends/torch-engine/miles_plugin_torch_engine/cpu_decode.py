@@ -94,7 +94,6 @@ class _Weight:
 
     def __init__(self, *weights: torch.Tensor, pack: bool):
         self.rows = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()  # [out, in]
-        self.out = self.rows.shape[0]
         # a pack serves any row count (the batch size given here only sizes MKL's blocking)
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.rows, 64) if pack else None
         self.io = None if pack else self.rows.t().contiguous()
@@ -216,7 +215,7 @@ class CpuForward:
         self.norm = _Norm(f.inner.norm)
         self.lm_head = f.model.lm_head.weight.t()
         self.embed = f.inner.embed_tokens.weight
-        if self.embed.shape[0] * self.layers[0].wqkv.out <= TABLE_ELEMENTS:
+        if self.embed.shape[0] * self.layers[0].wqkv.rows.shape[0] <= TABLE_ELEMENTS:
             self.layers[0].table = self.layers[0].qkv(self.embed, None)
         lw = self.layers[0]
         self.min_slice_rows = max(8, -(-SLICE_MACS // sum(w.rows.numel() for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd))))
@@ -276,7 +275,7 @@ class CpuForward:
         (cache-sized: 64 prompts of 32 tokens prefill ~15% faster as four chunks), each chunk
         padded only to its own longest prompt."""
         P, T = ids.shape
-        per = max(1, PREFILL_ELEMENTS // (T * self.layers[0].wgu.out))
+        per = max(1, PREFILL_ELEMENTS // (T * self.layers[0].wgu.rows.shape[0]))
         if per >= P:
             return self._prefill(ids, lengths, int(rows[0]), repeats)
         ends = torch.cumsum(repeats, 0).tolist()
