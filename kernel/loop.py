@@ -102,10 +102,11 @@ class Loop:
         self.mode = pm.create("modes", cfg.run.mode, None, loop=self)
         return self.p
 
-    def make_trainer(self, settings: Any, algorithm: Any) -> Any:
+    def make_trainer(self, settings: Any, algorithm: Any, total_steps: int | None = None) -> Any:
+        """A trainer whose LR schedule spans ``total_steps`` (default: the run's steps)."""
         return self.pm.create("trainers", self.cfg.name("trainer"), settings, spec=self.p.spec,
                               tokenizer=self.p.tokenizer, seed=self.seed, algorithm=algorithm,
-                              total_steps=self.cfg.run.steps)
+                              total_steps=self.cfg.run.steps if total_steps is None else total_steps)
 
     def new_trainer(self, found: Any = None) -> None:
         """The run's trainer, holding checkpoint ``found`` (``checkpoint.latest``'s answer) if given."""
@@ -244,7 +245,8 @@ class Loop:
             raise MilesError(f"run.warm_start needs demonstrations, but env {self.cfg.name('env')!r} "
                              f"has none; remove run.warm_start or pick an env that provides them")
         algo = self.pm.create("algorithms", ws.algorithm, None)
-        self.p.trainer = self.make_trainer(self.cfg.warm_start_trainer, algo)
+        # its LR schedule spans the warm start's own steps, not the RL run's
+        self.p.trainer = self.make_trainer(self.cfg.warm_start_trainer, algo, ws.max_steps)
         demos, rng = list(env.demonstrations()), random.Random(self.seed)
         best, stale = -1.0, 0
         log = builtin.JsonlLogger(out_dir=self.cfg.run.out_dir, filename="warm_start.jsonl") if self.main else None

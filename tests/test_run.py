@@ -200,3 +200,16 @@ def test_async_run_pushes_weights_in_the_background_and_ends_on_the_last_version
     assert loop.p.engine.weight_version == loop.version == 4
     want = {n: W.checksum(t) for n, t in loop.p.trainer.named_weights()}
     W.verify([loop.p.engine], want, loop.version)
+
+
+def test_warm_start_lr_schedule_spans_the_warm_start(cli, tmp_path):
+    """The warm start's LR schedule runs over its own max_steps, not over the RL run's steps."""
+    out = tmp_path / "run"
+    r = cli("train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start.max_steps=10",
+            "run.warm_start.min_steps=10", "run.warm_start.trainer.schedule=linear",
+            "run.warm_start.trainer.warmup_steps=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    logged = [json.loads(line) for line in (out / "warm_start.jsonl").read_text().splitlines()]
+    # step k trains at lr * (1 - (k - 1) / 10); over run.steps=2 it would be 0 from step 3 on
+    assert [g["step"] for g in logged] == [5, 10]
+    assert [round(g["lr"] / 3e-3, 6) for g in logged] == [0.6, 0.1]
