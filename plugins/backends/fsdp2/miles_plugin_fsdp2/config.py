@@ -31,6 +31,11 @@ class FSDP2Config(BaseModel):
                                     "one process), each with run.threads / cpu_workers intra-op "
                                     "threads; null = min(run.threads, 8); 1 = off (every op on all "
                                     "threads)")
+    cpu_gemm: Literal["auto", "mkl", "onednn"] = Field(
+        "auto", description="on CPU, the Llama-family fast path's GEMMs by the weights (forward and "
+        "input gradients): oneDNN was 1.2-1.4x faster than MKL on an AMD EPYC host, on par on an "
+        "Intel Xeon (benchmarks/cpu_gemm.py), and small layers slower in oneDNN; auto: oneDNN on AMD "
+        "CPUs where torch has it for decoder layers of >= 512k weights, else MKL")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up, in optimizer steps")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed LR, as a fraction of lr")

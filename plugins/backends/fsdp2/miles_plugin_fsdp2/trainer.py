@@ -17,6 +17,7 @@ import math
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from miles_wire import cpu_gemm
 
 from miles import Batch, MilesError
 
@@ -26,14 +27,16 @@ from . import workers
 from .config import FSDP2Config
 
 
-def response_logprobs(model: torch.nn.Module, batch: Batch, shared: bool | None = None) -> torch.Tensor:
+def response_logprobs(model: torch.nn.Module, batch: Batch, shared: bool | None = None,
+                      gemm: str = "mkl") -> torch.Tensor:
     """``[B, R]`` log-probs of the response tokens, logits divided by the rollout temperature.
 
     A rollout batch holds each prompt n times in a row; then the prompt is run once and its KV
     cache shared by its n samples (gradients flow back through the shared cache), which cuts
     the tokens processed by up to half for short responses. Otherwise one plain forward.
     ``shared``: force the choice (ranks of a sharded model must all make the same number of
-    forward calls); None = shared when prompts repeat twice on average.
+    forward calls); None = shared when prompts repeat twice on average. ``gemm``: the fast path's
+    GEMM library on CPU (``mkl`` or ``onednn``: ``trainer.cpu_gemm``).
     """
     runs = _runs(batch)
     if shared is None:
@@ -41,7 +44,7 @@ def response_logprobs(model: torch.nn.Module, batch: Batch, shared: bool | None 
     if batch.attention_mask.dim() != 2:  # a prepared 4-D mask (packed rows) has no prompt to share
         shared = False
     if fast.usable(model, batch):  # Llama-family decoders: the same ops, fewer copies around them
-        logits = fast.response_logits(model, batch, runs if shared else [1] * len(batch))
+        logits = fast.response_logits(model, batch, runs if shared else [1] * len(batch), gemm)
     elif shared:
         logits = _shared_prompt_logits(model, batch, runs)
     else:
@@ -53,10 +56,10 @@ def response_logprobs(model: torch.nn.Module, batch: Batch, shared: bool | None 
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def split_logprobs(model: torch.nn.Module, batch: Batch, w: workers.Workers) -> torch.Tensor:
+def split_logprobs(model: torch.nn.Module, batch: Batch, w: workers.Workers, gemm: str = "mkl") -> torch.Tensor:
     """``response_logprobs`` slice by slice on CPU workers, as ``train_step`` computes them at
     world size 1 on CPU (``workers.py``)."""
-    return workers.logprobs(lambda b: response_logprobs(model, b), batch, _runs(batch), w)
+    return workers.logprobs(lambda b: response_logprobs(model, b, gemm=gemm), batch, _runs(batch), w)
 
 
 def _full_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -133,10 +136,6 @@ class FSDP2Trainer:
     the same global batches; collectives (``train_step``, ``logprobs``, ``named_weights``,
     ``load_weights``, ``snapshot_reference``, ``save``, ``load``) must be called on every rank."""
 
-    # the exact routine train_step scores log-probs with: true on-policy engines apply it to their
-    # own copy of the weights, so rollout and training log-probs agree bit for bit
-    response_logprobs = staticmethod(response_logprobs)
-
     def __init__(self, cfg: FSDP2Config, *, spec: Any, tokenizer: Any, seed: int = 0,
                  total_steps: int = 0, **_):
         self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
@@ -157,9 +156,13 @@ class FSDP2Trainer:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _lr_lambda(cfg, total_steps))
+        self.gemm = _resolve_gemm(cfg.cpu_gemm, self.model) if self.device.type == "cpu" else "mkl"
         self.workers = self._workers()
-        if self.workers is not None:  # what true on-policy engines score with: the same slices, bit for bit
-            self.response_logprobs = functools.partial(split_logprobs, w=self.workers)
+        # the exact routine train_step scores log-probs with (the same GEMMs, and slices): true
+        # on-policy engines apply it to their own copy of the weights, so rollout and training
+        # log-probs agree bit for bit
+        self.response_logprobs = (functools.partial(response_logprobs, gemm=self.gemm) if self.workers is None
+                                  else functools.partial(split_logprobs, w=self.workers, gemm=self.gemm))
 
     def _workers(self) -> workers.Workers | None:
         """World size 1 on CPU with several intra-op threads: worker threads split the rows."""
@@ -239,13 +242,14 @@ class FSDP2Trainer:
             raise RuntimeError("reference log-probs requested before snapshot_reference()")
         if self.world_size == 1:
             size = self.cfg.micro_batch_size or len(batch)
-            out = torch.cat([split_logprobs(model, mb, self.workers) if self.workers is not None
-                             else response_logprobs(model, self._to(mb)).cpu() for mb in batch.split(size)])
+            out = torch.cat([split_logprobs(model, mb, self.workers, self.gemm) if self.workers is not None
+                             else response_logprobs(model, self._to(mb), gemm=self.gemm).cpu()
+                             for mb in batch.split(size)])
             self.reshard()
             return out
         plan, counts = self._plan(batch)
         parts = [lp for mb, real, shared in plan
-                 for lp in [response_logprobs(model, self._to(mb), shared)] if real]
+                 for lp in [response_logprobs(model, self._to(mb), shared, self.gemm)] if real]
         self.reshard()
         R = batch.input_ids.shape[1] - batch.prompt_len
         local = torch.cat(parts) if parts else torch.zeros(0, R, device=self.device)
@@ -257,10 +261,10 @@ class FSDP2Trainer:
         for mb, real, shared in self._plan(batch)[0]:
             mb = self._to(mb)
             if self.workers is not None:  # world size 1 on CPU: the cores split the rows
-                fn = lambda b: response_logprobs(self.model, b)  # noqa: E731
+                fn = lambda b: response_logprobs(self.model, b, gemm=self.gemm)  # noqa: E731
                 loss, metrics = workers.train(fn, self.model, mb, _runs(mb), self.workers, loss_fn)
             else:
-                lp = response_logprobs(self.model, mb, shared)
+                lp = response_logprobs(self.model, mb, shared, self.gemm)
                 if not real:
                     (lp * 0).sum().backward()  # joins the ranks' gradient reduce-scatter, adds nothing
                     continue
@@ -378,6 +382,13 @@ class FSDP2Trainer:
 
         checkpoint.load(self, path)
         self._state = None  # loaded in place, but asked afresh in case a loader replaced tensors
+
+
+def _resolve_gemm(choice: str, model: torch.nn.Module) -> str:
+    try:
+        return cpu_gemm.resolve(choice, cpu_gemm.layer_weights(model))
+    except ValueError as e:
+        raise MilesError(f"trainer.cpu_gemm={choice}: {e}") from None
 
 
 def _pick_device(name: str, local_rank: int, world: int) -> torch.device:

@@ -5,6 +5,9 @@ from miles import Batch, Sample, Task
 from miles.testing import char_tokenizer
 from miles_plugin_fsdp2 import fast
 from miles_plugin_fsdp2.trainer import _full_logits, _runs, _shared_prompt_logits
+from miles_wire import cpu_gemm
+
+GEMMS = ["mkl"] + ["onednn"] * cpu_gemm.onednn_available()  # oneDNN where this torch build has it
 
 
 def _model(kind="qwen2", **kw):
@@ -37,9 +40,9 @@ def _logprobs(logits, b):
     return torch.log_softmax(logits.float(), -1).gather(-1, b.input_ids[:, b.prompt_len:, None])[..., 0]
 
 
-def _check(model, b, runs, atol=2e-5):
+def _check(model, b, runs, gemm, atol=2e-5):
     want = _logprobs(_full_logits(model, b), b)  # padding positions included
-    got = _logprobs(fast.response_logits(model, b, runs), b)
+    got = _logprobs(fast.response_logits(model, b, runs, gemm), b)
     torch.testing.assert_close(got, want, rtol=0, atol=atol)
     params = list(model.parameters())
     g1 = torch.autograd.grad(got.sum(), params, allow_unused=True)
@@ -50,32 +53,36 @@ def _check(model, b, runs, atol=2e-5):
             torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("tabled", [True, False])
-def test_equals_the_hf_forward_with_padding_and_gradients(shared, tabled, monkeypatch):
+def test_equals_the_hf_forward_with_padding_and_gradients(shared, tabled, gemm, monkeypatch):
     """Log-probs and every parameter's gradient (the embedding's padding row included, which gets
-    none) as the HF forward's, with layer 0's q|k|v from the per-token-id table or computed."""
+    none) as the HF forward's, with layer 0's q|k|v from the per-token-id table or computed, and
+    the GEMMs in MKL or oneDNN."""
     monkeypatch.setattr(fast, "TABLE_SHARE", 1e9 if tabled else 0.0)
     calls = []
     real = fast._tabled_qkv
     monkeypatch.setattr(fast, "_tabled_qkv", lambda *a: calls.append(1) or real(*a))
     m, b = _model(), _batch()
     assert fast.usable(m, b) and b.input_ids.eq(m.config.pad_token_id).any()
-    _check(m, b, _runs(b) if shared else [1] * len(b))
+    _check(m, b, _runs(b) if shared else [1] * len(b), gemm)
     assert bool(calls) == tabled
 
 
-def test_uniform_groups_and_a_one_token_response():
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_uniform_groups_and_a_one_token_response(gemm):
     m = _model()
-    _check(m, _batch(groups=(2, 2, 2), same_prompt_len=True), [2, 2, 2])
+    _check(m, _batch(groups=(2, 2, 2), same_prompt_len=True), [2, 2, 2], gemm)
     one = _batch(groups=(2,))
     one = Batch.from_samples([Sample(Task("x"), prompt_ids=s.prompt_ids, response_ids=s.response_ids[:1])
                               for s in one.samples], pad_id=0)
-    _check(m, one, [2])
+    _check(m, one, [2], gemm)
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("tabled", [True, False])
-def test_llama_with_biases(tabled, monkeypatch):
+def test_llama_with_biases(tabled, gemm, monkeypatch):
     monkeypatch.setattr(fast, "TABLE_SHARE", 1e9 if tabled else 0.0)
     m = _model("llama", attention_bias=True, mlp_bias=True)
     with torch.no_grad():
@@ -84,7 +91,7 @@ def test_llama_with_biases(tabled, monkeypatch):
                 p.normal_()  # biases start at zero: make them count
     b = _batch()
     assert fast.usable(m, b)
-    _check(m, b, _runs(b))
+    _check(m, b, _runs(b), gemm)
 
 
 def test_equal_to_the_shared_prompt_hf_path_up_to_rounding(monkeypatch):

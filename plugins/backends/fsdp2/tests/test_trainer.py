@@ -108,3 +108,31 @@ def test_registration_is_lazy():
     from miles.testing import assert_lazy_registration
 
     assert_lazy_registration("miles_plugin_fsdp2", "trainers", "fsdp2")
+
+
+def test_cpu_gemm_choice_reaches_every_forward(monkeypatch):
+    """trainer.cpu_gemm: auto is oneDNN on AMD CPUs only, for layers of ONEDNN_MIN_LAYER weights; the
+    choice is what train_step, logprobs and the true on-policy scorer run; oneDNN where torch has
+    none is an error naming the key."""
+    from miles import MilesError
+    from miles_wire import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "GenuineIntel")
+    assert _trainer().gemm == "mkl"
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    assert _trainer().gemm == "mkl"  # TinySpec's layers are small
+    monkeypatch.setattr(cpu_gemm, "ONEDNN_MIN_LAYER", 1)
+    assert _trainer().gemm == ("onednn" if cpu_gemm.onednn_available() else "mkl")
+    if cpu_gemm.onednn_available():
+        calls, real = [], cpu_gemm.trainable_linear
+        monkeypatch.setattr(cpu_gemm, "trainable_linear", lambda *a: calls.append(1) or real(*a))
+        for workers in (1, 2):
+            t, b = _trainer(cpu_gemm="onednn", cpu_workers=workers), _batch()
+            t.train_step(b, _loss)
+            n = len(calls)
+            lp = t.logprobs(b)
+            assert n > 0 and len(calls) > n
+            torch.testing.assert_close(t.response_logprobs(t.model, b), lp, rtol=0, atol=0)
+    monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: False)
+    with pytest.raises(MilesError, match="trainer.cpu_gemm=onednn"):
+        _trainer(cpu_gemm="onednn")

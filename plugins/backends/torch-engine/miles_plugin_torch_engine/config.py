@@ -25,5 +25,10 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
         None, ge=1, description="fast path on CPU: decode steps split their rows among this many "
         "worker threads of one intra-op thread each (steps too small to gain from it stay on one); unset: "
         "torch's intra-op thread count")
+    cpu_gemm: Literal["auto", "mkl", "onednn"] = Field(
+        "auto", description="fast path on CPU: the library of the GEMMs by the weights. oneDNN (on "
+        "weights packed at every generate) was 1.2-1.4x faster than MKL on an AMD EPYC host, MKL "
+        "1.25x faster on an Intel Xeon (benchmarks/cpu_gemm.py), and small layers slower in oneDNN; "
+        "auto: oneDNN on AMD CPUs where torch has it for decoder layers of >= 512k weights, else MKL")
     prefill_tokens: int = Field(
         16384, ge=1, description="fast path: max (padded) prompt tokens prefilled in one forward")

@@ -7,9 +7,11 @@ latter. So a layer here is about 30 kernels, each in HF's own op order:
 
 - RMSNorm is HF's float32 composite as seven kernels (bit-identical, checked once per width);
   q|k|v and gate|up are one GEMM each on engine-owned concatenated weights (made at every
-  ``generate``, since the weights may have been replaced): MKL-packed on Intel CPUs for layers
-  too big for L2, else stored ``[in, out]`` with the residual adds inside the o/down GEMMs
-  (``addmm``, bit-identical to the separate add); see :class:`_Weight`.
+  ``generate``, since the weights may have been replaced), in the GEMM library ``engine.cpu_gemm``
+  picks (``miles_wire.cpu_gemm``): in oneDNN (AMD CPUs, layers of >= 512k weights) packed for
+  it, with the residual adds inside the o/down GEMMs; in MKL packed on Intel CPUs for layers too
+  big for L2, else stored ``[in, out]`` with those adds inside ``addmm`` (bit-identical to the
+  separate add); see :class:`_Weight`.
 - RoPE rotates q and k together (``x * cos + roll(x) * sin``, rotate_half's sign folded into sin).
 - When every row sits at the same position (prompts of one length) the cache writes are slice
   copies and attention needs no mask; otherwise indexed writes and one additive mask per step.
@@ -47,6 +49,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from miles import ConfigError
+from miles_wire import cpu_gemm
 
 from . import cpu_workers
 from .batching import FastGenerator
@@ -65,19 +69,14 @@ SLICE_MACS = 12_000_000
 
 
 def _mkl_packs() -> bool:
-    """Whether the CPU steps may use MKL-packed weights: torch built with MKL, on an Intel CPU. There,
-    multiplying by weights MKL packed once per ``generate`` (instead of repacking each operand at
-    every call) made a 6-layer hidden-256 model's GEMMs at 64 rows ~20% faster (AVX-512 Xeon,
-    one thread, each layer's weights cold in L3). On an AMD EPYC host they were slower, so
-    elsewhere weights are stored ``[in, out]`` for ``mm`` (5-20% faster there than the
-    transposed view)."""
-    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "GenuineIntel" in f.read(4096)
-    except OSError:
-        return False
+    """Whether the CPU steps may use MKL-packed weights (when ``engine.cpu_gemm`` resolves to MKL):
+    torch built with MKL, on an Intel CPU. There, multiplying by weights MKL packed once per
+    ``generate`` (instead of repacking each operand at every call) made a 6-layer hidden-256
+    model's GEMMs at 64 rows ~20% faster (AVX-512 Xeon, one thread, each layer's weights cold in
+    L3). On an AMD EPYC host they were slower, so elsewhere weights are stored ``[in, out]`` for
+    ``mm`` (5-20% faster there than the transposed view)."""
+    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+            and cpu_gemm.cpu_vendor() == "GenuineIntel")
 
 
 MKL_PACKED = _mkl_packs()
@@ -87,26 +86,43 @@ MKL_PACKED = _mkl_packs()
 PACK_ELEMENTS = 1 << 19
 
 
-class _Weight:
-    """Linear weights ``[out, in]`` stacked (q|k|v, gate|up) as the CPU steps multiply by them:
-    MKL-packed (``pack``), else one contiguous ``[in, out]`` copy. Made at every ``generate``,
-    since the weights may have been replaced."""
+def layout(gemm: str, elements: int) -> str:
+    """How a layer of ``elements`` weights is held for ``gemm`` (``miles_wire.cpu_gemm.resolve``'s
+    answer): ``onednn`` (packed for oneDNN), ``mkl_packed`` or ``in_out``."""
+    if gemm == "onednn":
+        return "onednn"
+    return "mkl_packed" if MKL_PACKED and elements >= PACK_ELEMENTS else "in_out"
 
-    def __init__(self, *weights: torch.Tensor, pack: bool):
+
+class _Weight:
+    """Linear weights ``[out, in]`` stacked (q|k|v, gate|up) as the CPU steps multiply by them, in
+    a :func:`layout`: packed for oneDNN or for MKL, or one contiguous ``[in, out]`` copy for
+    ``mm``. Made at every ``generate``, since the weights may have been replaced."""
+
+    def __init__(self, *weights: torch.Tensor, layout: str):
         self.rows = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()  # [out, in]
-        # a pack serves any row count (the batch size given here only sizes MKL's blocking)
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.rows, 64) if pack else None
-        self.io = None if pack else self.rows.t().contiguous()
+        self.layout = layout
+        # a pack serves any row count (the batch size given here only sizes the blocking)
+        if layout == "onednn":
+            self.w = cpu_gemm.pack(self.rows)
+        elif layout == "mkl_packed":
+            self.w = torch.ops.mkl._mkl_reorder_linear_weight(self.rows, 64)
+        else:
+            self.w = self.rows.t().contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.rows, bias, x.shape[0])
-        return torch.mm(x, self.io) if bias is None else torch.addmm(bias, x, self.io)
+        if self.layout == "onednn":
+            return cpu_gemm.linear(x, self.w, bias)
+        if self.layout == "mkl_packed":
+            return torch.ops.mkl._mkl_linear(x, self.w, self.rows, bias, x.shape[0])
+        return torch.mm(x, self.w) if bias is None else torch.addmm(bias, x, self.w)
 
     def residual(self, h: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``h + x @ W.T (+ bias)``; unpacked without bias, the add inside the GEMM."""
-        if self.packed is None and bias is None:
-            return torch.addmm(h, x, self.io)
+        """``h + x @ W.T (+ bias)``: the add inside the GEMM in oneDNN, and in ``addmm`` without bias."""
+        if self.layout == "onednn":
+            return cpu_gemm.linear_add(x, self.w, bias, h)
+        if self.layout == "in_out" and bias is None:
+            return torch.addmm(h, x, self.w)
         return self(x, bias).add_(h)
 
 
@@ -166,24 +182,24 @@ class _Norm:
 
 
 class _Layer:
-    """One decoder layer's engine-owned weights (concatenated, stored ``[in, out]`` for ``mm``)."""
+    """One decoder layer's engine-owned weights (concatenated, held as ``gemm`` multiplies by them)."""
 
-    def __init__(self, layer: Any, qk_norm: bool):
+    def __init__(self, layer: Any, qk_norm: bool, gemm: str):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         linears = (*projs, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        pack = MKL_PACKED and sum(m.weight.numel() for m in linears) >= PACK_ELEMENTS
-        self.wqkv = _Weight(*(p.weight for p in projs), pack=pack)
+        kind = layout(gemm, sum(m.weight.numel() for m in linears))
+        self.wqkv = _Weight(*(p.weight for p in projs), layout=kind)
         self.bqkv = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
         q_rows = attn.q_proj.out_features  # the q and k|v parts, for the last prefill layer
         self.wq, self.wkv = self.wqkv.rows[:q_rows], self.wqkv.rows[q_rows:]
         self.bq, self.bkv = (None, None) if self.bqkv is None else (self.bqkv[:q_rows], self.bqkv[q_rows:])
-        self.wo, self.bo = _Weight(attn.o_proj.weight, pack=pack), attn.o_proj.bias
+        self.wo, self.bo = _Weight(attn.o_proj.weight, layout=kind), attn.o_proj.bias
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.wgu = _Weight(gate.weight, up.weight, pack=pack)
+        self.wgu = _Weight(gate.weight, up.weight, layout=kind)
         self.bgu = torch.cat([gate.bias, up.bias]) if gate.bias is not None else None
-        self.wd, self.bd = _Weight(mlp.down_proj.weight, pack=pack), mlp.down_proj.bias
+        self.wd, self.bd = _Weight(mlp.down_proj.weight, layout=kind), mlp.down_proj.bias
         self.inter = mlp.down_proj.in_features
         self.qk_norms = (_Norm(attn.q_norm), _Norm(attn.k_norm)) if qk_norm else None  # Qwen3
         self.table: torch.Tensor | None = None  # q|k|v per token id (layer 0, small vocabularies)
@@ -203,15 +219,15 @@ class CpuForward:
     """Prefill and decode over the KV cache of a :class:`LlamaFamilyForward`; ``prepare`` before
     every ``generate``."""
 
-    def __init__(self, fwd: LlamaFamilyForward):
-        self.fwd = fwd
+    def __init__(self, fwd: LlamaFamilyForward, gemm: str = "mkl"):
+        self.fwd, self.gemm = fwd, gemm  # gemm: "mkl" or "onednn" (``miles_wire.cpu_gemm.resolve``)
         self.layers: list[_Layer] = []
         self.min_slice_rows = 8  # rows a worker needs for a split decode step (set in ``prepare``)
 
     @torch.no_grad()
     def prepare(self) -> None:
         f = self.fwd
-        self.layers = [_Layer(layer, f.qk_norm) for layer in f.inner.layers]
+        self.layers = [_Layer(layer, f.qk_norm, self.gemm) for layer in f.inner.layers]
         self.norm = _Norm(f.inner.norm)
         self.lm_head = f.model.lm_head.weight.t()
         self.embed = f.inner.embed_tokens.weight
@@ -333,7 +349,11 @@ class CpuFastGenerator(FastGenerator):
 
     def __init__(self, cfg: Any, model: torch.nn.Module):
         super().__init__(cfg, model)
-        self.cpu = CpuForward(self.fwd)
+        try:
+            gemm = cpu_gemm.resolve(cfg.cpu_gemm, cpu_gemm.layer_weights(model))
+        except ValueError as e:
+            raise ConfigError([f"engine.cpu_gemm={cfg.cpu_gemm}: {e}"]) from None
+        self.cpu = CpuForward(self.fwd, gemm)
         self.prefill = self._prefill
         self.sync_every = 1 << 62  # the done flags are read when ``_hit`` says a stop was sampled
         self._hit, self._layout, self.workers, self.k = False, None, None, 1  # see ``generate``

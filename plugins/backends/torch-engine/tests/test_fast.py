@@ -5,6 +5,7 @@ import pytest
 import torch
 from miles import ConfigError, SamplingParams
 from miles.testing import TinySpec, char_tokenizer
+from miles_wire import cpu_gemm
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine
@@ -263,26 +264,51 @@ def test_cpu_dim_major_keys(tok, monkeypatch):
             assert_logprobs_exact(eng.model, prompts, groups, params.temperature or 1.0)
 
 
-# the packed case exists where torch has MKL's packed GEMM (x86 builds)
-@pytest.mark.parametrize("packed", [False] + [True] * (torch.backends.mkl.is_available()
-                                                      and hasattr(torch.ops.mkl, "_mkl_linear")))
-def test_cpu_weight_layouts(tok, monkeypatch, packed):
-    """Both ways the CPU steps hold weights (MKL-packed where torch has MKL on an Intel CPU, else
-    ``[in, out]`` copies): greedy tokens equal the uncached reference and log-probs the full
-    forward's, through prefill (with its last-layer shortcut), decode, biases and 2 workers."""
+# each layout where this torch build has its library (MKL's packed GEMM on x86 builds, oneDNN's linear)
+LAYOUTS = ["in_out"] + ["mkl_packed"] * (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")) \
+    + ["onednn"] * cpu_gemm.onednn_available()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_weight_layouts(tok, monkeypatch, layout):
+    """Every way the CPU steps hold weights (oneDNN-packed, ``engine.cpu_gemm`` auto's choice on AMD
+    CPUs; MKL-packed, its choice on Intel CPUs; else ``[in, out]`` copies): greedy tokens equal the
+    uncached reference and log-probs the full forward's, through prefill (with its last-layer
+    shortcut), decode, biases and 2 workers."""
     from miles_plugin_torch_engine import cpu_decode
 
-    monkeypatch.setattr(cpu_decode, "MKL_PACKED", packed)
+    monkeypatch.setattr(cpu_decode, "MKL_PACKED", layout == "mkl_packed")
     monkeypatch.setattr(cpu_decode, "PACK_ELEMENTS", 0)  # the tiny test model's layers too
     monkeypatch.setattr(cpu_decode, "SLICE_MACS", 0)
     stop = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[28, 42])
     for workers in (1, 2):
-        eng = make_engine(tok, max_batch_size=24, cpu_workers=workers)
+        eng = make_engine(tok, max_batch_size=24, cpu_workers=workers,
+                          cpu_gemm="onednn" if layout == "onednn" else "mkl")
         groups = eng.generate(PROMPTS, stop, n=2)
-        assert (eng._fast.cpu.layers[0].wgu.packed is not None) == packed
+        assert {w.layout for w in vars(eng._fast.cpu.layers[0]).values() if isinstance(w, cpu_decode._Weight)} \
+            == {layout}
         for prompt, g in zip(PROMPTS, groups):
             assert all(c.token_ids == greedy_reference(eng.model, prompt, 8, {28, 42, tok.eos_token_id}) for c in g)
         assert_logprobs_exact(eng.model, PROMPTS, groups)
+
+
+def test_cpu_gemm_choice(tok, monkeypatch):
+    """auto: oneDNN on AMD CPUs only (where torch has it), for layers of ONEDNN_MIN_LAYER weights
+    (this tiny model's are smaller); asking for oneDNN where torch has none is a config error
+    naming the key."""
+    from miles_plugin_torch_engine import cpu_decode
+
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    assert make_engine(tok)._fast.cpu.gemm == "mkl"
+    monkeypatch.setattr(cpu_gemm, "ONEDNN_MIN_LAYER", 1)
+    want = "onednn" if cpu_gemm.onednn_available() else "mkl"
+    assert make_engine(tok)._fast.cpu.gemm == want
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "GenuineIntel")
+    assert make_engine(tok)._fast.cpu.gemm == "mkl"
+    monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: False)
+    with pytest.raises(ConfigError, match="engine.cpu_gemm=onednn"):
+        make_engine(tok, cpu_gemm="onednn")
+    assert cpu_decode.layout("mkl", 1 << 30) in ("in_out", "mkl_packed")
 
 
 def test_cpu_workers(tok, monkeypatch):
