@@ -32,7 +32,7 @@ THREADS = 2
 SHAPES = {
     "A": dict(label="quickstart shape", prompts=64, samples=4, new_tokens=4, model={}, no_eos=False,
               warmup=2, steps=8, target=2.0),
-    "B": dict(label="larger shape", prompts=16, samples=8, new_tokens=32, no_eos=True, warmup=2, steps=5,
+    "B": dict(label="larger shape", prompts=16, samples=8, new_tokens=32, no_eos=True, warmup=2, steps=10,
               target=1.5, model=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
                                      num_attention_heads=8, num_key_value_heads=4,
                                      max_position_embeddings=64)),
