@@ -21,6 +21,7 @@ module stays free.
   trainer and a one-process engine can join it alike;
 * the ``disk`` transport's folder format: ``read_manifest``/``load_version``;
 * ``miles_wire.llama``: the Llama-family layout check of the engine's and trainer's fast paths;
+* ``miles_wire.cpu_gemm``: those fast paths' CPU GEMM library (MKL or oneDNN) and its choice;
 * ``miles_wire.testing``: ``EngineProcess``, an engine in a child process (the test double of a
   remote engine for transport tests).
 """
