@@ -73,6 +73,17 @@ def resolve(choice: str, layer_size: int = ONEDNN_MIN_LAYER) -> str:
     return choice
 
 
+def for_model(key: str, choice: str, model: "torch.nn.Module") -> str:
+    """:func:`resolve` for ``model`` (its :func:`layer_weights`) and the config value ``choice`` of
+    ``key`` (``engine.cpu_gemm``, ``trainer.cpu_gemm``): a bad choice is a ``ConfigError`` naming it."""
+    from miles.errors import ConfigError
+
+    try:
+        return resolve(choice, layer_weights(model))
+    except ValueError as e:
+        raise ConfigError([f"{key}={choice}: {e}"]) from None
+
+
 def pack(weight: "torch.Tensor") -> "torch.Tensor":
     """``weight [out, in]`` in oneDNN's blocked layout, for :func:`linear` calls at any row count
     (the row count given here only sizes the blocking)."""

@@ -156,7 +156,8 @@ class FSDP2Trainer:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _lr_lambda(cfg, total_steps))
-        self.gemm = _resolve_gemm(cfg.cpu_gemm, self.model) if self.device.type == "cpu" else "mkl"
+        self.gemm = (cpu_gemm.for_model("trainer.cpu_gemm", cfg.cpu_gemm, self.model)
+                     if self.device.type == "cpu" else "mkl")
         self.workers = self._workers()
         # the exact routine train_step scores log-probs with (the same GEMMs, and slices): true
         # on-policy engines apply it to their own copy of the weights, so rollout and training
@@ -382,13 +383,6 @@ class FSDP2Trainer:
 
         checkpoint.load(self, path)
         self._state = None  # loaded in place, but asked afresh in case a loader replaced tensors
-
-
-def _resolve_gemm(choice: str, model: torch.nn.Module) -> str:
-    try:
-        return cpu_gemm.resolve(choice, cpu_gemm.layer_weights(model))
-    except ValueError as e:
-        raise MilesError(f"trainer.cpu_gemm={choice}: {e}") from None
 
 
 def _pick_device(name: str, local_rank: int, world: int) -> torch.device:

@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from miles import ConfigError
 from miles_wire import cpu_gemm
 
 from . import cpu_workers
@@ -349,11 +348,7 @@ class CpuFastGenerator(FastGenerator):
 
     def __init__(self, cfg: Any, model: torch.nn.Module):
         super().__init__(cfg, model)
-        try:
-            gemm = cpu_gemm.resolve(cfg.cpu_gemm, cpu_gemm.layer_weights(model))
-        except ValueError as e:
-            raise ConfigError([f"engine.cpu_gemm={cfg.cpu_gemm}: {e}"]) from None
-        self.cpu = CpuForward(self.fwd, gemm)
+        self.cpu = CpuForward(self.fwd, cpu_gemm.for_model("engine.cpu_gemm", cfg.cpu_gemm, model))
         self.prefill = self._prefill
         self.sync_every = 1 << 62  # the done flags are read when ``_hit`` says a stop was sampled
         self._hit, self._layout, self.workers, self.k = False, None, None, 1  # see ``generate``
