@@ -9,7 +9,7 @@ heads, FFN 1024), float32, one thread (each fast-path worker runs one):
   (a worker's share of the larger shape's batch), MKL against oneDNN on the plain weight;
 - the weight gradient (``dy.T @ x``), which stays in MKL, for scale.
 Each ratio is MKL's time over oneDNN's (best of ``--repeats`` alternating runs); ``auto`` in
-``engine.cpu_gemm`` / ``trainer.cpu_gemm`` picks oneDNN only on AMD CPUs (``miles_wire.cpu_gemm``).
+``engine.cpu_gemm`` / ``trainer.cpu_gemm`` picks oneDNN only on AMD CPUs (``miles_fastpath.cpu_gemm``).
 
 Usage: python benchmarks/cpu_gemm.py [--repeats N]
 """
@@ -36,8 +36,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     import torch
-
-    from miles_wire import cpu_gemm
+    from miles_fastpath import cpu_gemm
 
     torch.set_num_threads(1)
     if not cpu_gemm.onednn_available():

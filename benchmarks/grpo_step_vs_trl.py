@@ -8,7 +8,7 @@ Shape B generates exactly 32 tokens: TRL via ``generation_kwargs={"min_new_token
 EOS); miles' engine stops on ``params.stop_token_ids | {engine.eos_id}``, so the SamplingParams get
 ``stop_token_ids=[]`` and the engine instance ``eos_id = None`` after build. The tokenizer stays
 untouched (engine pad id fixed at construction; the trainer pads with ``tokenizer.pad_token_id``);
-EOS can still be sampled mid-response in miles, it just no longer stops it. Mean response lengths
+EOS can still be sampled mid-response in miles; it just does not stop it. Mean response lengths
 are printed so the equal work can be checked. The sides alternate step by step (a miles step runs
 from TRL's on_step_end, outside TRL's clock) so load changes hit both alike, and the CPU share of
 other processes is printed: 2-thread OpenMP ops stall badly when another process shares the cores.
@@ -54,10 +54,10 @@ def build_miles(shape: dict, out_dir: str):
     cfg = resolve(pm, apply_overrides(read_yaml(RECIPE), overrides))
     loop = Loop(pm, cfg)
     p = loop.build()
-    if shape["no_eos"]:  # see the module docstring: EOS no longer stops a response
+    if shape["no_eos"]:  # see the module docstring: EOS does not stop a response here
         loop.params = dataclasses.replace(loop.params, stop_token_ids=[])
         p.engine.eos_id = None
-    p.trainer = loop.make_trainer(cfg.settings("trainer"), p.algorithm)
+    loop.new_trainer()
     loop.sync()
     return loop
 
@@ -133,7 +133,7 @@ def run_both(loop, init_state: dict, shape: dict, out_dir: str) -> tuple[list[di
     tok = loop.p.tokenizer
     model = loop.p.spec.build_model(tok)  # same config as miles ...
     model.load_state_dict(init_state)  # ... and the same initial weights
-    data = Dataset.from_list([{"prompt": t.prompt, "label": t.label} for t in loop.train_tasks])
+    data = Dataset.from_list([{"prompt": t.prompt, "label": t.label} for t in loop.p.env.tasks("train")])
     Trainer, StepClock = timed_trainer(GRPOTrainer, transformers.TrainerCallback)
     miles: list[dict] = []
     clock = StepClock(lambda: miles.append(miles_step(loop, len(miles) + 1)))

@@ -22,6 +22,8 @@ def run_seed(seed: int, steps: int | None, out: str) -> dict[str, float]:
     from miles.config import apply_overrides, read_yaml, resolve
     from miles.loop import Loop
     from miles.plugins import make_plugin_manager
+    from miles_plugin_sft.demos import demo_samples
+    from miles_plugin_sft.warmstart import trainer_settings
 
     over = [f"run.seed={seed}", f"run.out_dir={out}/seed{seed}"] + ([f"run.steps={steps}"] if steps else [])
     pm = make_plugin_manager()
@@ -29,9 +31,10 @@ def run_seed(seed: int, steps: int | None, out: str) -> dict[str, float]:
     loop = Loop(pm, cfg)
     p = loop.build()
     t = time.perf_counter()
-    loop.warm_start()
+    pm.hook.miles_warm_start(run=loop, settings=cfg.run.warm_start)  # the sft plugin's phase
     warm_seconds = time.perf_counter() - t
     start_weights = {k: v.clone() for k, v in p.trainer.named_weights()}
+    loop.new_trainer().load_weights(start_weights.items())  # the RL trainer starts from it, as in a run
     loop.sync()
     start = loop.evaluate()["eval_accuracy"]
 
@@ -44,15 +47,15 @@ def run_seed(seed: int, steps: int | None, out: str) -> dict[str, float]:
     # continued SFT: the warm start's algorithm and trainer settings, from the same weights
     ws = cfg.run.warm_start
     algo = pm.create("algorithms", ws.algorithm, None)
-    p.trainer = loop.make_trainer(cfg.warm_start_trainer, algo)
-    p.trainer.load_weights(start_weights.items())
+    loop.new_trainer(settings=trainer_settings(cfg, pm, []), algorithm=algo).load_weights(start_weights.items())
     demos, rng = list(p.env.demonstrations()), random.Random(seed)
     t, sft_steps = time.perf_counter(), 0
     while time.perf_counter() - t < rl_seconds:
-        loop.update(loop.demo_samples(demos, ws.batch_size, rng), [0.0] * ws.batch_size, algo)
+        samples = demo_samples(demos, ws.batch_size, rng, tokenizer=p.tokenizer, env=p.env,
+                               rollout=loop.rollout_component, version=loop.version)
+        loop.update(samples, [0.0] * ws.batch_size, algo)
         sft_steps += 1
-    loop.version += 1
-    loop.sync()
+    loop.publish()
     sft = loop.evaluate()["eval_accuracy"]
     return dict(seed=seed, start=start, rl=rl, sft=sft, warm_seconds=warm_seconds,
                 rl_seconds=rl_seconds, rl_steps=cfg.run.steps, sft_steps=sft_steps)

@@ -12,7 +12,12 @@ the same bytes in the same rounds. The raw primitives:
   (what the engine's copy out of a CUDA IPC handle costs);
 * broadcast: one torch.distributed broadcast of the bytes to another process, until that
   process has them (gloo on CPU; NCCL between two GPUs with --device cuda);
-* disk: writing the bytes to a file (fsync, as the transport does) and reading them back.
+* disk: writing the bytes to a file (fsync, as the transport does) and reading them back;
+* p2p: one NIXL write of the bytes from a registered buffer of this process into the
+  destinations a ``miles serve`` engine registered for them (the transport's own endpoint,
+  ``/p2p/open``), in one transfer. The p2p transport syncs through that server and the ``sglang``
+  client (HTTP), so a broadcast through the same server is timed in the same rounds and the
+  p2p/broadcast time ratio is printed.
 
     python benchmarks/weight_sync.py [--mb 256] [--repeat 5] [--device cpu|cuda]
         [--shape qwen2-0.5b] [--dtype bfloat16]
@@ -20,8 +25,9 @@ the same bytes in the same rounds. The raw primitives:
 ``--shape qwen2-0.5b`` replaces the ``--mb`` model with Qwen2-0.5B's shape (494M parameters,
 tied embeddings: 290 tensors); ``--dtype`` is the dtype of trainer and engine weights.
 
-The last line reads ``weight_sync ratios vs raw: tensor R broadcast R disk R`` (transport GB/s
-over raw GB/s, default settings). Rows in brackets are the other settings, for comparison.
+The last line reads ``weight_sync ratios vs raw: tensor R broadcast R disk R p2p R`` (transport
+GB/s over raw GB/s, default settings; ``--only`` adds p2p, which needs ``nixl-cu12``). Rows in
+brackets are the other settings, for comparison.
 """
 from __future__ import annotations
 
@@ -139,6 +145,78 @@ class RawDisk:
         os.unlink(self.path)
 
 
+class Served:
+    """A ``miles serve`` process over the model (exported to a folder) and a ``sglang`` client."""
+
+    def __init__(self, model, tokenizer, dtype: str, folder: str):
+        import subprocess
+        import sys
+        import threading
+
+        from miles import make_plugin_manager
+
+        path = os.path.join(folder, "served")
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        self.proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", path, "--port", "0",
+                                      f"dtype={dtype}"], stdout=subprocess.PIPE,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                                     stderr=open(os.path.join(folder, "serve.log"), "w"))
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(300)
+        if not line or "listening on" not in line[0]:
+            self.proc.kill()
+            raise RuntimeError(f"miles serve did not start: see {folder}/serve.log")
+        pm = make_plugin_manager()
+        cfg = pm.registry("engines")["sglang"].config(urls=[line[0].strip().rsplit(" ", 1)[1]],
+                                                      timeout_s=600)
+        self.client = pm.create("engines", "sglang", cfg, spec=None, tokenizer=None, seed=0)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+class RawNixl:
+    """One NIXL write of the bytes into the destinations the engine registered for them."""
+
+    def __init__(self, client, weights: list, transport: str = "tcp"):
+        import base64
+
+        from miles_plugin_p2p.transport import make_agent
+
+        layout = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                  for n, t in weights]
+        info = client.p2p_open(tensors=layout, transport=transport)[0]
+        self.agent = make_agent("miles-bench-raw", transport)
+        self.agent.add_remote_agent(base64.b64decode(info["metadata"]))
+        self.remote = info["agent"]
+        targets = [tuple(t) for t in info["targets"]]
+        self.src = torch.randint(0, 255, (sum(t[1] for t in targets),), dtype=torch.uint8)
+        self.reg = self.agent.register_memory(self.src)
+        offsets = [0]
+        for t in targets[:-1]:
+            offsets.append(offsets[-1] + t[1])
+        self.local = self.agent.get_xfer_descs([(self.src.data_ptr() + o, t[1], 0)
+                                                for o, t in zip(offsets, targets)], "DRAM")
+        self.dst = self.agent.get_xfer_descs(targets, info["mem_type"])
+
+    def once(self) -> None:
+        h = self.agent.initialize_xfer("WRITE", self.local, self.dst, self.remote)
+        state = self.agent.transfer(h)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(h)
+        self.agent.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL write: {state}")
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+
 class Sync:
     """Syncs of one transport (a new version each time) to one engine."""
 
@@ -187,7 +265,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256, help="approximate model size in MiB (float32)")
     ap.add_argument("--repeat", type=int, default=5, help="timed rounds (best is kept per row)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--only", default="tensor,broadcast,disk", help="comma-separated transports")
+    ap.add_argument("--only", default="tensor,broadcast,disk", help="comma-separated transports "
+                    "(tensor, broadcast, disk, p2p)")
     ap.add_argument("--shape", choices=["qwen2-0.5b"], default=None, help="a real model shape instead of --mb")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
@@ -207,7 +286,7 @@ def main() -> None:
     other = "cuda:1" if cuda and torch.cuda.device_count() > 1 else dev
     print(f"model: {nbytes / 2**20:.0f} MiB in {len(model.state_dict())} tensors, device {args.device}; "
           f"best of {args.repeat}", flush=True)
-    table, ratios = [], {}
+    table, ratios, times = [], {}, {}
     folder = tempfile.mkdtemp(prefix="miles-bench-")
     colocated = EngineProcess(settings={"device": dev, "dtype": args.dtype}, spec=spec)
     apart = (EngineProcess(settings={"device": other, "dtype": args.dtype}, spec=spec)
@@ -221,6 +300,14 @@ def main() -> None:
         "disk": (lambda: RawDisk(nbytes, folder), "file write+fsync+read", apart,
                  [({"dir": os.path.join(folder, "w")}, True)]),
     }
+    served = None
+    if "p2p" in args.only.split(","):
+        if cuda:
+            raise SystemExit("--only p2p: CPU engines only (GPU memory registration is not done)")
+        # both through one `miles serve` process and the sglang client (HTTP), in the same rounds
+        served = Served(model, char_tokenizer(), args.dtype, folder)
+        plans["p2p"] = (lambda: RawNixl(served.client, weights), "one NIXL write (UCX tcp)", served.client,
+                        [({}, True), ({"via": "broadcast"}, False)])
     try:
         for name in [n for n in plans if n in args.only.split(",")]:
             make_raw, raw_label, engine, variants = plans[name]
@@ -228,8 +315,10 @@ def main() -> None:
             try:
                 for settings, default in variants:
                     # each setting against the raw primitive measured in the same rounds
-                    label = name if default else f"[{name} {settings}]"
-                    sync = Sync(name, settings, trainer, engine, folder)
+                    via = settings.get("via", name)
+                    label = name if default else (f"[{via} via miles serve]" if via != name
+                                                  else f"[{name} {settings}]")
+                    sync = Sync(via, {k: v for k, v in settings.items() if k != "via"}, trainer, engine, folder)
                     try:
                         best = measure([("raw", raw), (label, sync)], args.repeat)
                         print(f"  {label}: last sync " + ", ".join(f"{k} {v * 1e3:.1f} ms"
@@ -240,6 +329,7 @@ def main() -> None:
                     table.append((label, gbs, raw_gbs, gbs / raw_gbs))
                     if default:
                         ratios[name] = gbs / raw_gbs
+                    times[label] = best[label]
             finally:
                 raw.close()
             table.append((f"  (raw: {raw_label})", None, None, None))
@@ -247,12 +337,18 @@ def main() -> None:
         colocated.close()
         if apart is not colocated:
             apart.close()
+        if served is not None:
+            served.close()
     print(f"{'':36s} {'GB/s':>8s} {'raw GB/s':>9s} {'vs raw':>7s}")
     for label, gbs, raw_gbs, ratio in table:
         if gbs is None:
             print(label)
         else:
             print(f"{label:36s} {gbs:8.2f} {raw_gbs:9.2f} {ratio:7.2f}")
+    if "p2p" in times:
+        other = times["[broadcast via miles serve]"]
+        print(f"p2p / broadcast time through one miles serve: {times['p2p'] / other:.2f} "
+              f"({times['p2p'] * 1e3:.0f} ms / {other * 1e3:.0f} ms)")
     print("weight_sync ratios vs raw: " + " ".join(f"{n} {r:.2f}" for n, r in ratios.items()))
 
 

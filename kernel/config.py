@@ -6,24 +6,26 @@ Kernel sections (``run``, ``rollout``) have schemas here; a section that selects
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+# generic mechanics (reading, overrides, schema checks as key-named problems), importable from here too
+from miles_yamlconfig import apply_overrides, read_yaml, section_mapping, validate_settings  # noqa: F401
+from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ConfigError
 from .plugins import SECTION_KINDS, MilesPluginManager
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class WarmStartConfig(Strict):
     """Supervised warm start on ``env.demonstrations()`` before RL, run to convergence: it stops
-    when eval accuracy has not improved by ``min_delta`` for ``patience`` evaluations."""
+    when eval accuracy has not improved by ``min_delta`` for ``patience`` evaluations. A plugin's
+    ``miles_warm_start`` runs it (``miles-plugin-sft``); the schema is the kernel's, for every run."""
 
     max_steps: int = Field(2000, gt=0, description="upper bound on supervised steps")
     min_steps: int = Field(0, ge=0, description="no early stop before this many steps")
@@ -53,6 +55,12 @@ class RunConfig(Strict):
 
 
 class RolloutConfig(Strict):
+    """The kernel's rollout keys. The ``rollout`` section also holds the settings of the selected
+    rollout component (``name``) and of the run mode (``run.mode``), each validated by its own
+    schema."""
+
+    name: str = Field("single_turn", description="a registered rollout component: single_turn "
+                      "(one generation per sample) or a plugin's (e.g. multi_turn)")
     batch_size: int = Field(64, gt=0, description="prompts per training step")
     n: int = Field(4, gt=0, description="samples per prompt (group size)")
     temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
@@ -63,25 +71,6 @@ class RolloutConfig(Strict):
                                    "whose groups were filtered out (bounded, never a hang)")
     minibatches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style "
                              "mini-batches; >1 recomputes old log-probs)")
-    max_staleness: int = Field(1, ge=0, description="async: rollout workers generate no group "
-                               "that would be more than this many weight versions old when trained "
-                               "on; groups that still are get stale_policy")
-    stale_policy: Literal["drop", "importance"] = Field("drop", description="async: groups older "
-                                                        "than max_staleness are dropped, or kept "
-                                                        "(importance-weighted like any stale sample)")
-    correct_stale: bool = Field(True, description="async: samples from older weights than the "
-                                "trainer's are trained with truncated importance weights "
-                                "min(pi/pi_rollout, importance_cap) per token (decoupled PPO); "
-                                "false: as if they were on-policy")
-    importance_cap: float = Field(2.0, gt=0, description="async: truncation of importance weights")
-    buffer_groups: int | None = Field(None, gt=0, description="async: buffer capacity in groups "
-                                      "(default 2 x batch_size)")
-    async_workers: int = Field(2, gt=0, description="async: rollout threads, each keeping one request "
-                               "of up to batch_size prompts in flight (pacing sizes it)")
-    in_flight: Literal["finish", "resume"] = Field(
-        "finish", description="async: requests in flight when new weights are pushed. finish: they "
-        "end on the old weights; resume (partial rollout; engines in their own processes): they are "
-        "aborted and continue from their tokens so far on the new weights (Sample.weight_versions)")
     eval_max_new_tokens: int | None = Field(None, gt=0, description="limit for greedy evaluation "
                                             "(default: max_new_tokens)")
     true_on_policy: bool = Field(False, description="the engine re-scores each training mini-batch "
@@ -90,12 +79,13 @@ class RolloutConfig(Strict):
                                  "1, train_rollout_logprob_abs_diff 0); sync mode, one trainer rank")
 
 
-KERNEL_SECTIONS: dict[str, type[BaseModel]] = {"run": RunConfig, "rollout": RolloutConfig}
 DEFAULT_NAMES = {"model": "hf", "env": "arith", "engine": "torch", "algorithm": "grpo",
                  "trainer": "fsdp2", "sync": "tensor", "launcher": None}
-TOP_LEVEL = [*KERNEL_SECTIONS, *SECTION_KINDS, "loggers", "plugins"]
+TOP_LEVEL = ["run", "rollout", *SECTION_KINDS, "loggers", "plugins"]
 # components that in-repo plugin distributions provide, for "not installed" errors
-PROVIDERS = {("modes", "async"): "miles-plugin-async"}
+PROVIDERS = {("modes", "async"): "miles-plugin-async", ("launchers", "local"): "miles-plugin-local",
+             ("loggers", "console"): "miles-plugin-console", ("modes", "sync"): "miles-plugin-sync",
+             ("rollouts", "single_turn"): "miles-plugin-single-turn", ("algorithms", "sft"): "miles-plugin-sft"}
 
 
 @dataclass
@@ -103,7 +93,8 @@ class Config:
     run: RunConfig
     rollout: RolloutConfig
     components: dict[str, tuple[str | None, Any]]  # section -> (name, validated settings)
-    warm_start_trainer: Any  # trainer settings with run.warm_start.trainer applied
+    rollout_settings: Any  # the rollout component's own settings (its schema), or None
+    mode_settings: Any  # the run mode's own settings (its schema), or None
     loggers: list[tuple[str, Any]]
     plugins: list[str]
     raw: dict[str, Any] = field(default_factory=dict)
@@ -114,76 +105,20 @@ class Config:
     def settings(self, section: str) -> Any:
         return self.components[section][1]
 
-
-def read_yaml(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError([f"file {path} does not exist"], source=str(path))
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError([f"not valid YAML: {e}"], source=str(path)) from None
-    if not isinstance(data, dict):
-        raise ConfigError(["the top level must be a mapping of sections"], source=str(path))
-    return data
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``a.b=value`` (value parsed as YAML, so numbers/bools/lists work)."""
-    problems = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            problems.append(f"override {item!r} must look like key.sub=value")
-            continue
-        node, parts = data, key.split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.setdefault(part, {}), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = _scalar(value)
-    if problems:
-        raise ConfigError(problems, source="command line")
-    return data
+    def resolved(self) -> dict[str, Any]:
+        """The config as validated, defaults included (what a run folder's config.yaml holds)."""
+        def dump(name: str | None, *settings: Any) -> dict[str, Any]:
+            out = {"name": name} if name else {}
+            for s in settings:
+                out.update(s.model_dump(mode="json") if isinstance(s, BaseModel) else {})
+            return out
+        sections = {s: dump(n, v) for s, (n, v) in self.components.items() if n is not None}
+        return {"run": self.run.model_dump(mode="json"),
+                "rollout": dump(None, self.rollout, self.rollout_settings, self.mode_settings), **sections,
+                "loggers": [dump(n, v) for n, v in self.loggers], "plugins": list(self.plugins)}
 
 
-def _scalar(text: str) -> Any:
-    """YAML parsing of an override value, plus the floats YAML 1.1 leaves as strings (2e-3)."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def _pydantic_problems(prefix: str, err: ValidationError, model: type[BaseModel] | None) -> list[str]:
-    out = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in (prefix, *e["loc"]) if x != "")
-        if e["type"] == "extra_forbidden":
-            allowed = ", ".join(sorted(_fields_at(model, e["loc"][:-1])))
-            out.append(f"{loc}: unknown key; allowed keys: {allowed}")
-        else:
-            got = e.get("input")
-            got = "" if isinstance(got, dict) else f" (got {got!r})"
-            out.append(f"{loc}: {e['msg']}{got}")
-    return out
-
-
-def _fields_at(model: Any, loc: tuple) -> list[str]:
-    for part in loc:
-        info = getattr(model, "model_fields", {}).get(part)
-        ann = getattr(info, "annotation", None)
-        model = next((a for a in getattr(ann, "__args__", (ann,)) if hasattr(a, "model_fields")), None)
-    return list(getattr(model, "model_fields", {}) or ["name"])
-
-
-def validate_section(pm: MilesPluginManager, section: str, raw: Any, problems: list[str]):
+def validate_section(pm: MilesPluginManager, section: str, raw: Any, problems: list[str]) -> tuple[str | None, Any]:
     """(name, settings) for a component section; problems appended, never raised."""
     kind = SECTION_KINDS[section]
     raw = dict(raw) if isinstance(raw, dict) else ({} if raw is None else raw)
@@ -200,6 +135,23 @@ def validate_section(pm: MilesPluginManager, section: str, raw: Any, problems: l
     return name, validate_settings(pm.registry(kind)[name].config, section, raw, problems)
 
 
+def validate_nested(pm: MilesPluginManager, kind: str, prefix: str, raw: Any, default: str,
+                    wrapper: str) -> tuple[str, Any]:
+    """A component section inside another's settings (``model.base`` of a spec that wraps another,
+    like ``lora``): its name and validated settings from the run's registry (launch-time plugins
+    included); a ``ConfigError`` lists every problem, each naming ``prefix.<key>``."""
+    raw, problems, settings = dict(raw or {}), [], None
+    name = raw.pop("name", default)
+    if name == wrapper:
+        problems.append(f"{prefix}.name: {wrapper} cannot wrap itself; name the {kind[:-1].replace('_', ' ')} "
+                        f"it wraps (e.g. {default})")
+    elif registered(pm, kind, f"{prefix}.name", name, problems):
+        settings = validate_settings(pm.registry(kind)[name].config, prefix, raw, problems)
+    if problems:
+        raise ConfigError(problems, source=prefix)
+    return name, settings
+
+
 def registered(pm: MilesPluginManager, kind: str, key: str, name: Any, problems: list[str]) -> bool:
     """Whether ``name`` is a registered component of ``kind``; if not, a problem naming ``key``."""
     registry = pm.registry(kind)
@@ -208,45 +160,28 @@ def registered(pm: MilesPluginManager, kind: str, key: str, name: Any, problems:
     known = ", ".join(sorted(registry)) or "none installed"
     dist = PROVIDERS.get((kind, name))
     fix = f"pip install {dist}, which provides it" if dist else "install or --plugin the plugin that provides it"
+    if os.environ.get("MILES_PLUGINS"):  # an allow-list leaves installed plugins out
+        fix += f"; MILES_PLUGINS={os.environ['MILES_PLUGINS']} loads only those installed plugins"
     problems.append(f"{key}: unknown {kind[:-1].replace('_', ' ')} {name!r}; registered: {known} ({fix})")
     return False
-
-
-def validate_settings(model: type[BaseModel] | None, prefix: str, raw: dict, problems: list[str]):
-    if model is None:
-        if raw:
-            problems.append(f"{prefix}: takes no settings; unknown keys: {', '.join(raw)}")
-        return None
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        problems.extend(_pydantic_problems(prefix, e, model))
-        return None
 
 
 def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config") -> Config:
     """Validate everything; raise one ConfigError listing every problem."""
     problems = [f"{key}: unknown section; allowed: {', '.join(TOP_LEVEL)}" for key in data if key not in TOP_LEVEL]
-    kernel = {s: validate_settings(model, s, data.get(s) or {}, problems) for s, model in KERNEL_SECTIONS.items()}
+    run = validate_settings(RunConfig, "run", section_mapping(data, "run", problems), problems)
+    rollout, rollout_settings, mode_settings = _rollout_section(pm, data, run, problems)
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
-    run, rollout, warm_trainer = kernel.get("run"), kernel.get("rollout"), None
-    if run is not None:
-        registered(pm, "modes", "run.mode", run.mode, problems)
+    _default_launcher(pm, data, components, problems)
     if run is not None and rollout is not None and rollout.true_on_policy and run.mode != "sync":
         problems.append("rollout.true_on_policy: needs run.mode sync (async rollouts come from older weights)")
-    if run is not None and rollout is not None and rollout.in_flight == "resume" and run.mode != "async":
-        problems.append("rollout.in_flight: resume needs run.mode async (sync runs never push weights "
-                        "while generating)")
-    if run is not None and run.warm_start is not None:
-        ws = run.warm_start
-        registered(pm, "algorithms", "run.warm_start.algorithm", ws.algorithm, problems)
-        trainer_name = components["trainer"][0]
-        if trainer_name in pm.registry("trainers"):
-            merged = {**{k: v for k, v in (data.get("trainer") or {}).items() if k != "name"}, **ws.trainer}
-            warm_trainer = validate_settings(pm.registry("trainers")[trainer_name].config,
-                                             "run.warm_start.trainer", merged, problems)
+    if run is not None and run.warm_start is not None:  # its trainer settings: the phase's plugin checks them
+        registered(pm, "algorithms", "run.warm_start.algorithm", run.warm_start.algorithm, problems)
+        if not pm.hook.miles_warm_start.get_hookimpls():
+            problems.append("run.warm_start: no installed plugin runs a warm start (miles_warm_start); "
+                            "pip install miles-plugin-sft, which does, or remove run.warm_start")
     loggers = []
-    raw_loggers = data.get("loggers", ["console"]) or []
+    raw_loggers = data.get("loggers", [n for n in ("console",) if n in pm.registry("loggers")]) or []
     if not isinstance(raw_loggers, list):
         problems.append("loggers: must be a list of logger names or {name: ...} mappings")
         raw_loggers = []
@@ -261,4 +196,55 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
         problems.append("plugins: must be a list of module names or .py paths")
     if problems:
         raise ConfigError(problems, source=source)
-    return Config(kernel["run"], kernel["rollout"], components, warm_trainer, loggers, plugins, data)
+    cfg = Config(run, rollout, components, rollout_settings, mode_settings, loggers, plugins, data)
+    problems = [p for found in pm.hook.miles_validate_config(config=cfg, pm=pm) for p in found or ()]
+    if problems:
+        raise ConfigError(problems, source=source)
+    return cfg
+
+
+def _default_launcher(pm: MilesPluginManager, data: dict[str, Any], components: dict[str, Any],
+                      problems: list[str]) -> None:
+    """No launcher and ``trainer.world_size: N > 1``: the ``local`` launcher with N trainer ranks
+    (the engine stays inside rank 0), so one command runs a multi-rank trainer."""
+    trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else {}
+    ranks = trainer.get("world_size")
+    if components["launcher"][0] is not None or not isinstance(ranks, int) or ranks < 2:
+        return
+    if registered(pm, "launchers", "trainer.world_size (its local launcher)", "local", problems):
+        settings = validate_settings(pm.registry("launchers")["local"].config, "launcher",
+                                     {"trainer_ranks": ranks, "engines": 0}, problems)
+        components["launcher"] = ("local", settings)
+
+
+def _owner_hint(pm: MilesPluginManager, key: str) -> str:
+    """Which other run mode or rollout component has ``key`` among its settings, if any."""
+    for kind, selector in (("modes", "run.mode"), ("rollouts", "rollout.name")):
+        for name, comp in pm.registry(kind).items():
+            if key in getattr(comp.config, "model_fields", {}):
+                return f" ({key} is a setting of {selector} {name}: set {selector}: {name})"
+    return ""
+
+
+def _rollout_section(pm: MilesPluginManager, data: dict[str, Any], run: RunConfig | None,
+                     problems: list[str]) -> tuple[RolloutConfig | None, Any, Any]:
+    """The ``rollout`` section split three ways: the kernel's keys, the rollout component's
+    (``rollout.name``) and the run mode's (``run.mode``); a key none of them knows is a problem
+    listing what all three allow."""
+    raw = section_mapping(data, "rollout", problems)
+    name = raw.get("name", "single_turn")
+    parts: dict[str, tuple[Any, dict[str, Any]]] = {"kernel": (RolloutConfig, {})}
+    if registered(pm, "rollouts", "rollout.name", name, problems):
+        parts["component"] = (pm.registry("rollouts")[name].config, {})
+    if run is not None and registered(pm, "modes", "run.mode", run.mode, problems):
+        parts["mode"] = (pm.registry("modes")[run.mode].config, {})
+    allowed = sorted({k for model, _ in parts.values() for k in getattr(model, "model_fields", {})})
+    for key, value in raw.items():
+        owner = next((p for p, (model, _) in parts.items() if key in getattr(model, "model_fields", {})), None)
+        if owner is None:
+            problems.append(f"rollout.{key}: unknown key; allowed keys: {', '.join(allowed)}{_owner_hint(pm, key)}")
+        else:
+            parts[owner][1][key] = value
+    out = [validate_settings(model, "rollout", values, problems) if model is not None or values else None
+           for model, values in (parts.get(p, (None, {})) for p in ("kernel", "component", "mode"))]
+    return out[0], out[1], out[2]

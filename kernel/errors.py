@@ -10,7 +10,7 @@ class MilesError(Exception):
 class ConfigError(MilesError):
     """One or more invalid config keys/values; the message lists every problem at once."""
 
-    def __init__(self, problems: list[str], source: str = "config"):
+    def __init__(self, problems: list[str], source: str = "config") -> None:
         self.problems = problems
         super().__init__(f"{source}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
-from .types import Group, Sample, Task
+from .types import Group, Sample, SamplingParams, Task
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -59,13 +59,28 @@ def miles_loss(batch: "Batch", logprobs: "torch.Tensor") -> "tuple[torch.Tensor,
 
 
 @hookspec(firstresult=True)
-def miles_rollout(task: Task, n: int, engine: "Engine", env: "Env") -> list[Sample] | None:
+def miles_rollout(task: Task, n: int, engine: "Engine", env: "Env", tokenizer: Any,
+                  params: "SamplingParams") -> list[Sample] | None:
     """Generate the ``n`` samples of one task (multi-turn, agents, tools).
 
-    Called once per task of each rollout batch. firstresult: return the samples (rewards may be
-    left ``None`` for the env / ``miles_reward`` to fill); ``None`` means "not mine". The
-    built-in single-turn rollout is the ``trylast`` default (the loop batches all tasks that fall
-    through to it into one engine call).
+    Called once per task of each rollout batch, with the run's tokenizer and this rollout's
+    sampling params. firstresult: return the samples (rewards may be left ``None`` for the env /
+    ``miles_reward`` to fill); ``None`` means "not mine". The ``trylast`` default comes with the
+    ``single_turn`` rollout (``miles-plugin-single-turn``); a run leaves it out and batches every
+    task no hook claims into one call of its ``rollout.name`` component instead.
+    """
+
+
+@hookspec(firstresult=True)
+def miles_warm_start(run: Any, settings: Any) -> bool | None:
+    """Run the supervised warm start (``run.warm_start``) before the first RL step.
+
+    Called once on every trainer rank of a run that has ``run.warm_start`` (``settings``, a
+    ``miles.config.WarmStartConfig``) and no checkpoint yet. ``run`` is the ``miles.loop.Loop``: the
+    phase trains the trainer ``run.new_trainer(settings=, algorithm=, total_steps=)`` makes with
+    ``run.update``, pushes and evaluates with ``run.publish``/``run.evaluate``, stops when
+    ``run.stopping()``. Return ``True`` when done: the run's trainer starts from its weights.
+    firstresult: ``None`` means "not mine"; ``miles-plugin-sft`` implements it.
     """
 
 
@@ -90,58 +105,76 @@ def miles_serve(model_dir: str, host: str, port: int, api_key: str | None, setti
     """
 
 
-# --- registration hooks --------------------------------------------------------------------------
+# --- registration hooks: each is called once per plugin manager with ``register(name, factory,
+# config=PydanticModel)``; the protocol of each kind lists the context its factory receives ------
 
 @hookspec
 def miles_register_engines(register: Register) -> None:
-    """Register rollout engines: ``register(name, factory, config=Model)``. Called once per
-    plugin manager; see ``miles.protocols.Engine`` for the factory's context."""
+    """Register rollout engines (``miles.protocols.Engine``); called once."""
 
 
 @hookspec
 def miles_register_trainers(register: Register) -> None:
-    """Register training backends: ``register(name, factory, config=Model)``. Called once;
-    see ``miles.protocols.Trainer``."""
+    """Register training backends (``miles.protocols.Trainer``); called once."""
 
 
 @hookspec
 def miles_register_transports(register: Register) -> None:
-    """Register weight-sync transports: ``register(name, factory, config=Model)``. Called once;
-    see ``miles.protocols.Transport``."""
+    """Register weight-sync transports (``miles.protocols.Transport``); called once."""
 
 
 @hookspec
 def miles_register_algorithms(register: Register) -> None:
-    """Register RL / supervised algorithms: ``register(name, factory, config=Model)``. Called
-    once; see ``miles.protocols.Algorithm``."""
+    """Register RL and supervised algorithms (``miles.protocols.Algorithm``); called once."""
 
 
 @hookspec
 def miles_register_envs(register: Register) -> None:
-    """Register environments: ``register(name, factory, config=Model)``. Called once;
-    see ``miles.protocols.Env``."""
+    """Register environments (``miles.protocols.Env``); called once."""
 
 
 @hookspec
 def miles_register_model_specs(register: Register) -> None:
-    """Register model specs: ``register(name, factory, config=Model)``. Called once;
-    see ``miles.protocols.ModelSpec``."""
+    """Register model specs (``miles.protocols.ModelSpec``); called once."""
 
 
 @hookspec
 def miles_register_launchers(register: Register) -> None:
-    """Register launchers (process placement and supervision): ``register(name, factory,
-    config=Model)``. Called once."""
+    """Register launchers, which place and supervise processes (``miles.protocols.Launcher``); called once."""
 
 
 @hookspec
 def miles_register_loggers(register: Register) -> None:
-    """Register metric sinks: ``register(name, factory, config=Model)``. Called once;
-    see ``miles.protocols.Logger``."""
+    """Register metric sinks (``miles.protocols.Logger``); called once."""
 
 
 @hookspec
 def miles_register_modes(register: Register) -> None:
-    """Register run modes, selected by ``run.mode``: ``register(name, factory)``. Called once;
-    see ``miles.protocols.Mode``. The kernel registers ``sync``; ``async`` comes from the
-    ``miles-plugin-async`` distribution."""
+    """Register run modes, selected by ``run.mode`` (``miles.protocols.Mode``); called once
+    (``sync``: ``miles-plugin-sync``; ``async``: ``miles-plugin-async``)."""
+
+
+@hookspec
+def miles_register_rollouts(register: Register) -> None:
+    """Register rollout components, selected by ``rollout.name`` (``miles.protocols.Rollout``);
+    called once (``single_turn``, the default: ``miles-plugin-single-turn``)."""
+
+
+@hookspec
+def miles_validate_config(config: Any, pm: Any) -> list[str] | None:
+    """Check settings across sections, before anything is built.
+
+    Called once per run with the resolved ``miles.config.Config`` (every section already valid on
+    its own) and the run's plugin manager. Every implementation is called; each returns problems
+    (strings that start with the key they are about, e.g. ``"rollout.in_flight: ..."``) or None.
+    They are reported together with every other config problem.
+    """
+
+
+@hookspec
+def miles_register_commands(register: Register) -> None:
+    """Register ``miles <name>`` subcommands: ``register(name, help, add_arguments, run)``, where
+    ``add_arguments(parser)`` adds the command's arguments to its ``argparse`` parser and
+    ``run(args) -> int`` runs it and returns the exit code (a ``MilesError`` it raises is printed
+    without a traceback). Called once when the command line is parsed; a name that is already a
+    command is an error."""

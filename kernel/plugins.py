@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import importlib
 import importlib.metadata as md
 import importlib.util
@@ -9,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pluggy
 
@@ -17,7 +19,8 @@ from . import hookspecs
 from .errors import PluginError
 
 GROUP = "miles.plugins"
-KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs", "launchers", "loggers", "modes")
+KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs", "launchers", "loggers", "modes",
+         "rollouts")
 # config section -> registry kind, for sections that select a component by ``name``
 SECTION_KINDS = {"model": "model_specs", "env": "envs", "engine": "engines", "algorithm": "algorithms",
                  "trainer": "trainers", "sync": "transports", "launcher": "launchers"}
@@ -32,13 +35,23 @@ class Component:
 
 
 class MilesPluginManager(pluggy.PluginManager):
-    """A pluggy manager that also remembers where each plugin came from."""
+    """A pluggy manager that also remembers where each plugin came from. Hooks are dispatched by
+    pluggy itself (``pm.hook.miles_*``); an exception raised inside a plain hook implementation
+    is re-raised as a ``PluginError`` naming the plugin and the hook."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__("miles")
         self.add_hookspecs(hookspecs)
         self.origins: dict[str, str] = {}  # plugin name -> "dist miles-plugin-x 0.1" or file path
         self._registries: dict[str, dict[str, Component]] | None = None
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        registered = super().register(plugin, name)
+        for caller in self.get_hookcallers(plugin) or ():
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                    impl.function = _naming_errors(impl.function, self, plugin, caller.name)
+        return registered
 
     def describe(self, plugin: object) -> str:
         name = self.get_name(plugin) or repr(plugin)
@@ -52,16 +65,15 @@ class MilesPluginManager(pluggy.PluginManager):
 
     def _collect(self, kind: str) -> dict[str, Component]:
         found: dict[str, Component] = {}
-        for impl in getattr(self.hook, f"miles_register_{kind}").get_hookimpls():
-            who = self.describe(impl.plugin)
 
-            def register(name: str, factory: Callable[..., Any], config: Any = None, _who=who) -> None:
-                if name in found:
-                    raise PluginError(f"{kind[:-1]} {name!r} is registered twice: by {found[name].plugin} "
-                                      f"and by {_who}; uninstall or disable one of them")
-                found[name] = Component(name, factory, config, _who)
+        def register(name: str, factory: Callable[..., Any], config: Any = None) -> None:
+            who = _CALLING.get()
+            if name in found:
+                raise PluginError(f"{kind[:-1]} {name!r} is registered twice: by {found[name].plugin} "
+                                  f"and by {who}; uninstall or disable one of them")
+            found[name] = Component(name, factory, config, who)
 
-            call_hook(impl, who, f"miles_register_{kind}", register=register)
+        getattr(self.hook, f"miles_register_{kind}")(register=register)
         return found
 
     def create(self, kind: str, name: str, cfg: Any, **context: Any) -> Any:
@@ -73,14 +85,27 @@ class MilesPluginManager(pluggy.PluginManager):
                               f"installed: {e}. Install it (pip install {e.name or '...'})") from e
 
 
-def call_hook(impl: Any, who: str, hook_name: str, **kwargs: Any) -> Any:
-    """Call one hookimpl with the subset of ``kwargs`` it accepts, naming the plugin on error."""
-    try:
-        return impl.function(**{a: kwargs[a] for a in impl.argnames})
-    except PluginError:
-        raise
-    except Exception as e:
-        raise PluginError(f"plugin {who} failed in {hook_name}: {type(e).__name__}: {e}") from e
+_CALLING: contextvars.ContextVar[str] = contextvars.ContextVar("miles_calling_plugin", default="?")
+
+
+def _naming_errors(fn: Callable[..., Any], pm: MilesPluginManager, plugin: object,
+                   hook_name: str) -> Callable[..., Any]:
+    """``fn`` as pluggy calls it (same positional arguments), but an exception names the plugin,
+    and registration hooks learn which plugin is registering."""
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        who = pm.describe(plugin)
+        token = _CALLING.set(who)
+        try:
+            return fn(*args)
+        except PluginError:
+            raise
+        except Exception as e:
+            raise PluginError(f"plugin {who} failed in {hook_name}: {type(e).__name__}: {e}") from e
+        finally:
+            _CALLING.reset(token)
+    return call
 
 
 def make_plugin_manager(extra: list[str] = (), autoload: bool | None = None,
@@ -113,13 +138,25 @@ def make_plugin_manager(extra: list[str] = (), autoload: bool | None = None,
                                   f"{type(e).__name__}: {e}. Reinstall it, or set "
                                   f"MILES_PLUGINS to an allow-list that leaves it out") from e
             _register(pm, module, ep.name, f"{ep.name} ({origin})")
+        _check_allow(allow)
     for spec in extra:
         module, origin = load_module(spec)
         _register(pm, module, origin, origin)
     return pm
 
 
-def _entry_points():
+def _check_allow(allow: list[str] | None) -> None:
+    """An allow-list name that no installed plugin has (a typo) hides plugins: say so up front."""
+    eps = _entry_points()
+    known = {ep.name for ep in eps} | {ep.dist.name for ep in eps if ep.dist}
+    unknown = [a for a in allow or () if a not in known]
+    if unknown:
+        raise PluginError(f"MILES_PLUGINS names {', '.join(unknown)}, which no installed plugin is "
+                          f"(installed: {', '.join(sorted(ep.name for ep in eps)) or 'none'}); fix the "
+                          f"names (entry-point or distribution names) or unset MILES_PLUGINS")
+
+
+def _entry_points() -> list[Any]:
     by_name: dict[str, Any] = {}
     for ep in sorted(md.entry_points(group=GROUP), key=lambda e: e.name):
         by_name.setdefault(ep.name, ep)  # the same dist visible twice on sys.path: the first wins
@@ -175,22 +212,3 @@ def plugin_table(pm: MilesPluginManager) -> list[dict[str, Any]]:
         rows.append({"name": name, "distribution": dist_name, "version": version, "origin": pm.origins.get(name, name),
                      "hooks": by_plugin.get(name, [])})
     return rows
-
-
-def _results(pm: MilesPluginManager, hook_name: str, skip: tuple = (), **kwargs: Any) -> Iterator[Any]:
-    """Non-None results of a hook's implementations not in ``skip``, lazily, in pluggy's call order."""
-    for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
-        if impl.plugin not in skip:
-            result = call_hook(impl, pm.describe(impl.plugin), hook_name, **kwargs)
-            if result is not None:
-                yield result
-
-
-def call_first(pm: MilesPluginManager, hook_name: str, skip: tuple = (), **kwargs: Any) -> Any:
-    """firstresult dispatch: the first non-None result (later implementations are not called)."""
-    return next(_results(pm, hook_name, skip, **kwargs), None)
-
-
-def call_all(pm: MilesPluginManager, hook_name: str, **kwargs: Any) -> list[Any]:
-    """Call every implementation; the non-None results."""
-    return list(_results(pm, hook_name, **kwargs))

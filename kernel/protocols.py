@@ -1,8 +1,9 @@
-"""Protocols of the named components. Plugins implement them; the kernel loop only talks to these.
+"""Every contract between components. Plugins implement them; the kernel loop only talks to these.
 
-Each kind is registered by its ``miles_register_<kind>s`` hook as ``register(name, factory,
-config=PydanticModel)``; the kernel validates the component's config section (minus ``name``) with
-that model and calls ``factory(config, **context)`` with the keyword context listed on each protocol.
+A component is made as ``factory(settings, **context)`` (``miles.hookspecs``' registration hooks)
+with the keyword context listed on its protocol, and receives what it needs there or per call;
+nothing sets attributes on another component. Optional capabilities are small protocols of their
+own, checked with ``isinstance`` (e.g. ``ReceivesWeights``, ``Distributed``).
 """
 from __future__ import annotations
 
@@ -15,18 +16,20 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 LossFn = Callable[[Batch, "torch.Tensor"], "tuple[torch.Tensor, dict[str, float]]"]
+Named = Iterable[tuple[str, "torch.Tensor"]]
 
 
+# --- model specs ----------------------------------------------------------------------------------
 @runtime_checkable
 class ModelSpec(Protocol):
-    """Builds a model architecture. Factory context: none.
+    """Builds a model architecture. Factory context: ``pm`` (the run's plugin manager, so a spec
+    that wraps another, like ``lora``, resolves it with the run's launch-time plugins too).
 
     ``build_tokenizer(default)``: the tokenizer (``default`` is the env's, if it offers one);
-    ``build_model(tokenizer)``: a fresh ``torch.nn.Module`` causal LM with HF-style
-    ``forward(input_ids, attention_mask, position_ids) -> .logits`` and HF parameter names.
-    Optional: ``sync_filter(name) -> bool``: the weights training changes (e.g. LoRA adapters);
-    after the first, full sync the loop sends engines only those; ``save_pretrained(named,
-    tokenizer, path)``: ``miles export`` writes a Hugging Face folder through it.
+    ``build_model(tokenizer)``: a fresh ``torch.nn.Module`` with Hugging Face parameter names; for
+    a causal LM, HF-style ``forward(input_ids, attention_mask, position_ids) -> .logits``.
+    Backends may ask a spec for more, each optional: e.g. the megatron trainer calls
+    ``megatron_layer_spec(layer_spec) -> layer_spec`` to swap a module of its transformer layer.
     """
 
     def build_tokenizer(self, default: Any = None) -> Any: ...
@@ -34,12 +37,38 @@ class ModelSpec(Protocol):
 
 
 @runtime_checkable
+class SyncFilter(Protocol):
+    """A spec whose training changes only some weights (e.g. LoRA adapters): after the first, full
+    sync the loop sends engines only the weights ``sync_filter(name)`` accepts."""
+
+    def sync_filter(self, name: str) -> bool: ...
+
+
+@runtime_checkable
+class Exports(Protocol):
+    """``miles export`` writes a Hugging Face folder (config, safetensors, tokenizer) through
+    ``save_pretrained(named, tokenizer, path)``; ``path`` does not exist yet and is the caller's."""
+
+    def save_pretrained(self, named: Named, tokenizer: Any, path: str) -> None: ...
+
+
+@runtime_checkable
+class ScoresActions(Protocol):
+    """A spec whose model is not a causal LM (e.g. a diffusion transformer) says how a trainer
+    scores a batch: ``action_logprobs(model, batch) -> [B, T]``, the log-probability of each
+    action (``Batch``'s docstring) under ``model``, differentiable. Trainers use it instead of
+    their causal-LM routine."""
+
+    def action_logprobs(self, model: "torch.nn.Module", batch: Batch) -> "torch.Tensor": ...
+
+
+# --- environments ---------------------------------------------------------------------------------
+@runtime_checkable
 class Env(Protocol):
     """Tasks and their verifier. Factory context: ``seed``.
 
     ``tasks(split)``: the tasks of ``"train"`` or ``"eval"``; ``reward(sample)``: the verifier's
-    score. Optional: ``tokenizer()`` (a default tokenizer for the model spec) and
-    ``demonstrations()`` (``(task, response_text)`` pairs for supervised training).
+    score (a finite float; ``>= 1`` counts as correct in ``eval_accuracy``).
     """
 
     def tasks(self, split: str) -> Sequence[Task]: ...
@@ -47,91 +76,239 @@ class Env(Protocol):
 
 
 @runtime_checkable
-class Engine(Protocol):
+class OffersTokenizer(Protocol):
+    """An env that ships its own tokenizer (e.g. a character vocabulary): the model spec's default."""
+
+    def tokenizer(self) -> Any: ...
+
+
+@runtime_checkable
+class Demonstrates(Protocol):
+    """An env with reference answers for supervised training: ``demonstrations()`` yields
+    ``(task, response_text)`` pairs, or ``(task, messages)`` for multi-turn ones, which the run's
+    rollout component lays out (``RendersTranscripts``)."""
+
+    def demonstrations(self) -> Sequence[tuple[Task, Any]]: ...
+
+
+# --- engines --------------------------------------------------------------------------------------
+@runtime_checkable
+class LoadsWeights(Protocol):
+    """Takes weights in this process: ``load_weights(named_tensors, version)`` replaces them (HF
+    names) and sets ``weight_version``; transports may hand tensors over by reference."""
+
+    weight_version: int
+
+    def load_weights(self, named_tensors: Named, version: int) -> None: ...
+
+
+@runtime_checkable
+class Engine(LoadsWeights, Protocol):
     """Rollout engine. Factory context: ``spec`` (ModelSpec), ``tokenizer``, ``seed``.
 
     ``generate(prompts, params, n)`` returns, for each prompt, ``n`` completions with per-token
-    log-probs. ``load_weights(named_tensors, version)`` replaces the weights (HF names) and sets
-    ``weight_version``. An engine starts without usable weights: the loop syncs them first.
-    ``tokenizer`` is the run's tokenizer; ``sampling_params`` the run's rollout settings (set by
-    the loop, read by rollout hooks). Optional: ``score(batch, logprob_fn) -> [B, R]``: the
-    engine's log-probs of a training batch by ``logprob_fn(model, batch)`` on its own weights
-    (``rollout.true_on_policy``). Optional: ``pause_generation(mode="abort")`` and
-    ``continue_generation()`` (SGLang's semantics), called around each weight push of an async run
-    with ``rollout.in_flight: resume``: ``generate`` calls cut short by the pause go on from their
-    tokens so far on the new weights, one ``Completion.weight_versions`` entry per segment.
+    log-probs; ``load_weights`` as ``LoadsWeights`` (a client of servers in other processes raises
+    there and is ``ReceivesWeights`` with ``remote``). An engine starts without usable weights: the
+    loop syncs them first.
     """
-
-    weight_version: int
-    tokenizer: Any
-    sampling_params: SamplingParams
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  n: int = 1) -> list[list[Completion]]: ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> None: ...
+
+@runtime_checkable
+class ReportsChecksums(Protocol):
+    """``weight_checksums(names)``: sha256 prefix per tensor the engine holds (``None``: no part of
+    the engine holds the version just pushed); ``sync.verify`` compares them with the trainer's."""
+
+    def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, str] | None: ...
 
 
 @runtime_checkable
+class ReceivesWeights(ReportsChecksums, Protocol):
+    """An engine that takes weights over a wire (SGLang's weight-update API; ``miles serve`` and the
+    sglang client implement it). ``remote``: the engine's memory is in another process (tensors
+    cannot be handed over by reference). ``accepts_buckets``: ``update_weights_from_distributed``
+    may carry one flat bucket per call.
+    """
+
+    remote: bool
+    accepts_buckets: bool
+
+    def update_weights_from_tensor(self, serialized_named_tensors: Any, load_format: str | None = None,
+                                   flush_cache: bool = True, weight_version: Any = None) -> Any: ...
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], group_name: str = ...,
+                                        flush_cache: bool = True, weight_version: Any = None) -> Any: ...
+    def update_weights_from_disk(self, model_path: str, weight_version: Any = None) -> Any: ...
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = ..., backend: str = ...) -> Any: ...
+    def destroy_weights_update_group(self, group_name: str = ...) -> Any: ...
+
+
+@runtime_checkable
+class ServerGroup(Protocol):
+    """A client of several engine servers. ``num_weight_ranks``: the ranks it takes in a
+    weight-update group (one per server's tensor-parallel rank); ``restarts``: server restarts
+    seen so far (a change means they left every group); ``servers_down()``: those not answering."""
+
+    num_weight_ranks: int
+    restarts: int
+
+    def servers_down(self) -> list[str]: ...
+
+
+@runtime_checkable
+class ReceivesP2P(Protocol):
+    """Engines that take point-to-point writes (``sync.name: p2p``): ``p2p_open(tensors,
+    transport)`` registers a destination per tensor and returns each engine rank's endpoint
+    (agent metadata, addresses, session); ``p2p_commit(weight_version, sessions)`` makes the
+    written weights current once the trainer's writes are in."""
+
+    def p2p_open(self, tensors: Sequence[dict], transport: str = "tcp") -> Any: ...
+    def p2p_commit(self, weight_version: Any, sessions: Sequence[str]) -> Any: ...
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    """SGLang's ``pause_generation(mode="abort")`` / ``continue_generation()``: an async run with
+    ``rollout.in_flight: resume`` aborts requests in flight around a weight push and the engine
+    resumes them from their tokens so far (one ``Completion.weight_versions`` entry per segment)."""
+
+    def pause_generation(self, mode: str = "abort") -> Any: ...
+    def continue_generation(self) -> Any: ...
+
+
+@runtime_checkable
+class ScoresBatches(Protocol):
+    """``score(batch, logprob_fn) -> [B, R]``: the engine's log-probs of a training batch computed
+    by ``logprob_fn(model, batch)`` on its own weights (``rollout.true_on_policy``)."""
+
+    def score(self, batch: Batch, logprob_fn: Callable[..., "torch.Tensor"]) -> "torch.Tensor": ...
+
+
+# --- rollouts -------------------------------------------------------------------------------------
+@runtime_checkable
+class Rollout(Protocol):
+    """Turns tasks into samples (``rollout.name``; the kernel's ``single_turn`` is the default).
+    Factory context: ``out_dir`` (the run folder, e.g. for image grids); its settings sit in the
+    ``rollout`` section beside the kernel's keys.
+
+    ``generate(tasks, n, engine=, env=, tokenizer=, params=)``: per task, its ``n`` samples.
+    Rewards may be left ``None`` (the env's verifier and ``miles_reward`` fill them). Optional
+    ``metrics(samples) -> dict``: extra step metrics (e.g. ``turns_mean``), merged into the step's.
+    """
+
+    def generate(self, tasks: Sequence[Task], n: int, *, engine: Engine, env: Env, tokenizer: Any,
+                 params: SamplingParams) -> list[list[Sample]]: ...
+
+
+@runtime_checkable
+class RolloutMetrics(Protocol):
+    """A rollout's own step metrics (``Rollout``'s optional ``metrics``)."""
+
+    def metrics(self, samples: Sequence[Sample]) -> dict[str, float]: ...
+
+
+# --- trainers -------------------------------------------------------------------------------------
+@runtime_checkable
 class Trainer(Protocol):
     """Owns the policy (and reference) model and its optimizer. Factory context: ``spec``,
-    ``tokenizer``, ``seed``, ``total_steps``.
+    ``tokenizer``, ``seed``, ``algorithm``, ``total_steps`` (the span of its LR schedule).
 
     ``logprobs(batch, which)``: no-grad log-probs ``[B, R]`` of the response tokens under ``which``
     in ``{"policy", "ref"}``; ``train_step(batch, loss_fn)``: one optimizer step over the batch
-    (micro-batched), returns averaged metrics; ``snapshot_reference()``: freeze the current policy as
-    the reference model; ``load_weights(named)``: set the policy's weights (HF names);
-    ``named_weights()``: full weights in HF names (an iterator, so a sharded trainer can stream them);
-    ``save(dir)``/``load(dir)``: full training state. Optional, for an ``algorithm`` (factory
-    context) with ``needs_critic``: ``values(batch)``: no-grad ``[B, R]`` critic values (``V_t``: the
-    state before response token ``t``); ``train_critic(batch, value_loss_fn)``: one critic optimizer
-    step on ``value_loss_fn(batch, values) -> (loss, metrics)``, returns metrics. Optional:
-    ``response_logprobs(model, batch)``: the exact routine ``train_step`` scores with;
-    ``rollout.true_on_policy`` has the engine apply it to the engine's weights.
+    (micro-batched), returns averaged metrics (``nonfinite_skipped`` when a NaN/inf loss or
+    gradient made it skip the step); ``snapshot_reference()``: freeze the current policy as the
+    reference model; ``load_weights(named)``: set the policy's weights (HF names);
+    ``named_weights()``: full weights in HF names (an iterator, so a sharded trainer can stream
+    them; on a ``Distributed`` trainer a collective every rank joins); ``save(dir)``/``load(dir)``:
+    full training state.
     """
 
     def logprobs(self, batch: Batch, which: str = "policy") -> "torch.Tensor": ...
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]: ...
     def snapshot_reference(self) -> None: ...
-    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None: ...
+    def load_weights(self, named_tensors: Named) -> None: ...
     def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]: ...
     def save(self, path: str) -> None: ...
     def load(self, path: str) -> None: ...
 
 
 @runtime_checkable
+class Distributed(Protocol):
+    """A trainer of several ranks (SPMD: every rank runs the loop). ``broadcast_object(obj, src)``:
+    rank ``src``'s ``obj`` on every rank; ``barrier()``: wait for every rank."""
+
+    rank: int
+    world_size: int
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+    def barrier(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsCritic(Protocol):
+    """For an algorithm with ``needs_critic``: ``values(batch)``: no-grad ``[B, R]`` critic values
+    (``V_t``: the state before response token ``t``); ``train_critic(batch, value_loss_fn)``: one
+    critic optimizer step on ``value_loss_fn(batch, values) -> (loss, metrics)``."""
+
+    def values(self, batch: Batch) -> "torch.Tensor": ...
+    def train_critic(self, batch: Batch, value_loss_fn: LossFn) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class ExactScoring(Protocol):
+    """``response_logprobs(model, batch)``: the exact routine ``train_step`` scores with;
+    ``rollout.true_on_policy`` has a ``ScoresBatches`` engine apply it to the engine's weights."""
+
+    def response_logprobs(self, model: "torch.nn.Module", batch: Batch) -> "torch.Tensor": ...
+
+
+# --- transports -----------------------------------------------------------------------------------
+@runtime_checkable
+class WeightSource(Protocol):
+    """What a transport reads: a trainer, or a view of one (only some weights, a snapshot). Only
+    rank 0 (``OnRank``) talks to engines; the others take part in ``named_weights()``."""
+
+    def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]: ...
+
+
+@runtime_checkable
+class OnRank(Protocol):
+    """A weight source that lives on one trainer rank (``rank``; a source without one is rank 0's)."""
+
+    rank: int
+
+
+@runtime_checkable
 class Transport(Protocol):
     """Moves weights from the trainer to engines. Factory context: ``out_dir``.
 
-    ``sync(trainer, engines, version)`` pushes ``trainer.named_weights()`` and returns metrics
-    (at least ``weight_sync_seconds`` and ``weight_sync_bytes``).
+    ``sync(source, engines, version)`` pushes ``source.named_weights()`` and returns metrics (at
+    least ``weight_sync_seconds`` and ``weight_sync_bytes``); every trainer rank calls it.
     """
 
-    def sync(self, trainer: Trainer, engines: Sequence[Engine], version: int) -> dict[str, float]: ...
+    def sync(self, source: WeightSource, engines: Sequence[Engine], version: int) -> dict[str, float]: ...
 
 
+# --- algorithms -----------------------------------------------------------------------------------
 @runtime_checkable
 class Algorithm(Protocol):
     """Turns groups into a loss. Factory context: none.
 
-    ``uses_rollout``: False for supervised algorithms (batches come from ``env.demonstrations()``);
-    ``needs_reference``: the loop asks the trainer for ``ref_logprobs``;
+    ``uses_rollout``: False for supervised algorithms (batches come from demonstrations);
+    ``needs_reference``: the loop asks the trainer for ``ref_logprobs``; ``needs_critic``: the
+    loop puts ``trainer.values(batch)`` in ``batch.extras["values"]`` and, after each policy
+    step, calls ``trainer.train_critic(minibatch, algorithm.value_loss)``;
     ``keep(group)``: the algorithm's own filter (e.g. drop zero-variance groups);
-    ``advantages(groups)``: per group, per sample a float or a per-token list;
+    ``advantages(groups)``: per group, per sample a float or a per-action list;
     ``loss(batch, logprobs)``: this micro-batch's share of the loss (see ``Batch.token_mean``).
-    Optional: ``prepare(batch) -> metrics``, called once per step on the whole batch after its
-    ref/old log-probs (and critic values) are filled, before any optimizer step (token-level
-    advantages: KL in the reward, GAE, batch whitening); ``needs_critic``: the loop puts
-    ``trainer.values(batch)`` in ``batch.extras["values"]`` and, after each policy step, calls
-    ``trainer.train_critic(minibatch, algorithm.value_loss)``.
-    Optional: ``supervised_samples(tokenizer, count, rng, version) -> list[Sample] | None``: a
-    supervised algorithm's own examples (e.g. a dataset file) instead of the env's demonstrations;
-    ``make_batch(samples, pad_id, advantages) -> Batch``: its own batch layout (e.g. SFT's packed
-    rows with a 4-D block-diagonal ``attention_mask``) instead of ``Batch.from_samples``.
     """
 
     uses_rollout: bool
     needs_reference: bool
+    needs_critic: bool
 
     def keep(self, group: Group) -> bool: ...
     def advantages(self, groups: Sequence[Group]) -> list[list[Any]]: ...
@@ -139,37 +316,70 @@ class Algorithm(Protocol):
 
 
 @runtime_checkable
-class Mode(Protocol):
-    """How rollout and training interleave (``run.mode``). Factory context: ``loop`` (the run's
-    ``miles.loop.Loop``: a mode reads its ``cfg``, ``pm``, ``p`` (the components), ``version``,
-    ``seed``, ``main``, ``params`` and ``train_tasks``, and calls ``rollout``, ``keep``, ``console``).
-    Built by ``Loop.build`` on every trainer rank, once the other components exist.
+class Prepares(Protocol):
+    """``prepare(batch) -> metrics``: once per step on the whole batch after its ref/old log-probs
+    (and critic values) are filled, before any optimizer step (KL in the reward, GAE, whitening)."""
 
-    ``take(rng, params)``: rank 0, once per RL step: the step's kept groups and its rollout
-    metrics (at least ``reward_mean``, ``groups_kept``, ``groups_dropped``, ``rollout_seconds``);
-    on ``EngineRestarted`` every rank pushes the weights again, then ``take`` is asked again.
-    ``push(trainer, engines, version, wait)``: every rank: the trainer's weights to the engines
-    as ``version`` through the run's transport; returns its metrics with the engines holding the
-    weights, unless ``wait=False`` (the push after a training step) lets the mode finish it later.
-    ``finish_push()`` (before an evaluation, before the next push and at the end of the run)
-    waits for such a push and returns its metrics (``{}`` when none was pending).
-    ``reweight(batch, logprobs)``: every rank, in each loss call: the batch the loss sees and
-    extra metrics (e.g. importance weights of samples from older weights). ``lock_engines()``: a
-    context manager the loop holds around each use of the engines (rollout, scoring).
-    ``close()``: at the end of the run, also after an error.
+    def prepare(self, batch: Batch) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class BuildsBatches(Protocol):
+    """``make_batch(samples, pad_id, advantages) -> Batch``: the algorithm's own layout (SFT's
+    packed rows; a non-token batch of trajectories) instead of ``Batch.from_samples``."""
+
+    def make_batch(self, samples: list[Sample], pad_id: int, advantages: Any) -> Batch: ...
+
+
+@runtime_checkable
+class SuppliesSamples(Protocol):
+    """What a supervised algorithm (``uses_rollout`` False) trains on: ``count`` samples of its own
+    (e.g. a dataset file), or of the ``env``'s demonstrations (``Demonstrates``; multi-turn ones
+    laid out by the ``rollout`` component, ``RendersTranscripts``); ``None``: it has none."""
+
+    def supervised_samples(self, tokenizer: Any, count: int, rng: Any, version: int, *, env: Any = None,
+                           rollout: Any = None) -> list[Sample] | None: ...
+
+
+# --- run modes ------------------------------------------------------------------------------------
+@runtime_checkable
+class Rollouts(Protocol):
+    """What a run mode uses to produce groups: rank 0's rollout service (``miles.rollouts``).
+    ``run(tasks, n, params)``: groups with rewards set (custom ``miles_rollout`` hooks first, then
+    the ``rollout.name`` component); ``keep(group)``: the algorithm's filter and every
+    ``miles_filter``. The caller holds the mode's engine lock around ``run``."""
+
+    def run(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]: ...
+    def keep(self, group: Group) -> bool: ...
+
+
+@runtime_checkable
+class Mode(Protocol):
+    """How rollout and training interleave (``run.mode``). Factory context: ``ctx``, a
+    ``miles.rollouts.ModeContext`` (what a mode uses, never the loop). Its own settings sit in the
+    ``rollout`` section. Built on every trainer rank.
+
+    ``take(rng, params)``: rank 0, once per RL step: the step's kept groups and its rollout metrics
+    (at least ``reward_mean``, ``groups_kept``, ``groups_dropped``, ``rollout_seconds``); on
+    ``EngineRestarted`` every rank pushes the weights again, then ``take`` is asked again.
+    ``push(source, engines, version, wait)``: every rank: the weights to the engines as
+    ``version`` through the transport; ``wait=False`` (the push after a training step) lets the
+    mode finish it later. ``finish_push()`` waits for such a push and returns its metrics.
+    ``reweight(batch, logprobs)``: every rank, in each loss call: the batch the loss sees and extra
+    metrics (e.g. importance weights of stale samples). ``lock_engines()``: held around each use
+    of the engines outside ``take``. ``close()``: at the end of the run, also after an error.
     """
 
     def take(self, rng: Any, params: SamplingParams) -> tuple[list[Group], dict[str, Any]]: ...
-
-    def push(self, trainer: Trainer, engines: Sequence[Engine], version: int,
+    def push(self, source: WeightSource, engines: Sequence[Engine], version: int,
              wait: bool = True) -> dict[str, float]: ...
-
     def finish_push(self) -> dict[str, float]: ...
     def reweight(self, batch: Batch, logprobs: "torch.Tensor") -> tuple[Batch, dict[str, float]]: ...
     def lock_engines(self) -> ContextManager[Any]: ...
     def close(self) -> None: ...
 
 
+# --- launchers and loggers ------------------------------------------------------------------------
 @runtime_checkable
 class Launcher(Protocol):
     """Places and supervises the processes of a run. Factory context: none.
@@ -186,7 +396,60 @@ class Launcher(Protocol):
 
 @runtime_checkable
 class Logger(Protocol):
-    """Metric sink. Factory context: ``out_dir``, ``total_steps``."""
+    """Metric sink. Factory context: ``out_dir``, ``total_steps``, ``config`` (the run's resolved
+    config as a plain dict, for sinks that record it)."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Console(Protocol):
+    """A logger that is the run's console (the ``console`` plugin's): ``message(text)``: a notice
+    or warning line; ``progress(phase, done, total)``: ``done`` of ``total`` units of a long phase
+    (warm start, evaluation) are finished, ``done == total`` ends it."""
+
+    def message(self, text: str) -> None: ...
+    def progress(self, phase: str, done: int, total: int) -> None: ...
+
+
+# --- tools and multi-turn demonstrations ----------------------------------------------------------
+@runtime_checkable
+class OffersTools(Protocol):
+    """An env whose tasks are solved with tools (multi-turn rollouts, ``rollout.name: multi_turn``).
+
+    ``tools()``: tool specs in OpenAI's function format (``{"type": "function", "function":
+    {"name", "description", "parameters"}}``), shown to chat-template models with the prompt;
+    ``call_tool(name, arguments, task)``: run one call for ``task`` and return its output text;
+    raise (any exception) for a bad call: the rollout shows the model ``error: <message>``.
+    """
+
+    def tools(self) -> Sequence[dict]: ...
+    def call_tool(self, name: str, arguments: dict, task: Task) -> str: ...
+
+
+@runtime_checkable
+class RendersTranscripts(Protocol):
+    """A rollout component that lays out a multi-turn demonstration as it lays out its own samples.
+    A ``Demonstrates`` env may yield ``(task, messages)`` instead of ``(task, response_text)``:
+    ``messages`` are ``{"role": "assistant" | "tool", "content": str}`` dicts; supervised phases
+    (``sft``, the warm start) turn them into samples with ``demonstration(task, messages, tokenizer=, env=,
+    version=)``: assistant turns trained on, tool results ``loss_mask`` 0."""
+
+    def demonstration(self, task: Task, messages: Sequence[dict], *, tokenizer: Any, env: Any = None,
+                      version: int = 0) -> Sample: ...
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+@runtime_checkable
+class RecordsRouting(Protocol):
+    """A model spec whose mixture-of-experts models can record the experts each token is routed to
+    (rollout routing replay, R3). ``routing_recorder(model)`` returns a recorder of that model with
+    ``recording()`` (a context manager: every forward inside is logged), ``take()`` (the log, one
+    int32 ``[tokens, moe_layers, top_k]`` tensor per forward, tokens in the forward's row-major
+    (row, position) order) and ``extension`` (the ``Sample.extensions`` key). An engine returns a
+    completion's rows as ``Completion.extras[extension] = {"routed_experts": Tensor}``, shaped
+    ``[prompt + response - 1, layers, top_k]`` (the last token is never fed back), and the spec's
+    ``ScoresActions.action_logprobs`` replays them in the trainer."""
+
+    def routing_recorder(self, model: "torch.nn.Module") -> Any: ...

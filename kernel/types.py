@@ -27,7 +27,7 @@ class Task:
     metadata: dict = field(default_factory=dict)
     id: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.id:
             self.id = f"task-{next(_task_ids)}"
 
@@ -41,12 +41,19 @@ class Status(str, enum.Enum):
 
 @dataclass
 class Sample:
-    """One generated response to a task.
+    """One generated response to a task: a sequence of *actions* with their log-probs.
 
-    ``prompt_ids``/``response_ids``: token ids; ``logprobs``: the engine's log-probability of each
-    response token (temperature applied, before top-p/top-k), ``len == len(response_ids)``;
-    ``loss_mask``: 1 for response tokens the policy produced (train on), 0 for tokens it did not
-    (tool output in multi-turn); ``weight_version``: version of the weights that generated it
+    The actions of a text sample are its response tokens: ``prompt_ids``/``response_ids`` are token
+    ids, ``logprobs`` the engine's log-probability of each response token (temperature applied,
+    before top-p/top-k), ``len == len(response_ids)``; ``loss_mask`` is 1 for tokens the policy
+    produced (train on), 0 for tokens it did not. A multi-turn sample is still ONE token sequence:
+    ``response_ids`` is everything after the prompt, model tokens keep the engine's own ids and
+    log-probs (never re-tokenized), env/tool tokens have ``loss_mask`` 0 and logprob 0.0.
+    A non-text sample (e.g. an image from a diffusion model) keeps its trajectory in
+    ``extensions[plugin_id]`` (e.g. per-step latents ``[T+1, C, H, W]``, sigmas ``[T+1]``),
+    ``response_ids`` empty and ``logprobs``/``loss_mask`` with one entry per step ``T``: the
+    plugin's algorithm (``make_batch``) and model spec (``action_logprobs``) agree on the payload;
+    the kernel never looks inside. ``weight_version``: version of the weights that generated it
     (the oldest, when several did); ``weight_versions``: the version of each generation segment, in
     order: two or more when the request was aborted at a weight update and resumed on the new
     weights (``rollout.in_flight: resume``), empty when unknown (then ``[weight_version]``);
@@ -65,7 +72,7 @@ class Sample:
     extensions: dict = field(default_factory=dict)
     weight_versions: list[int] = field(default_factory=list)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.loss_mask is None:
             self.loss_mask = [1] * len(self.response_ids)
 
@@ -98,21 +105,27 @@ class SamplingParams:
 @dataclass
 class Completion:
     """What an engine returns for one sampled sequence. ``weight_versions``: one per generation
-    segment when a request was aborted and resumed (``weight_version`` is then the oldest)."""
+    segment when a request was aborted and resumed (``weight_version`` is then the oldest).
+    ``extras``: plugin data for the sample's ``extensions``, keyed the same way (e.g. an MoE
+    model's routed experts, ``miles.protocols.RecordsRouting``); rollouts copy it over."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int = 0
     weight_versions: list[int] = field(default_factory=list)
+    extras: dict = field(default_factory=dict)
 
 
 @dataclass
 class Batch:
     """A padded training batch of B samples: prompt region of width P (left-padded) followed by a
     response region of width R (right-padded), so every sample's response is ``[:, P:]``.
+    R counts actions: response tokens, or a non-token batch's trajectory steps (built by an
+    algorithm's ``make_batch``; its token fields are None and the model-specific tensors, e.g.
+    latents, sit in ``extras``, each with B as its first dimension so ``select`` can slice it).
 
-    Tensors: ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, P+R]`` (long);
+    Tensors: ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, P+R]`` (long, or None);
     ``loss_mask``, ``advantages``, ``rollout_logprobs`` ``[B, R]`` (float);
     ``old_logprobs``/``ref_logprobs``/``teacher_logprobs`` ``[B, R]`` or None; ``rewards`` ``[B]``.
     ``global_tokens``/``global_samples``: loss-mask tokens and samples of the whole optimizer-step
@@ -120,9 +133,9 @@ class Batch:
     mean (``token_mean``/``seq_mean``) and summing micro-batch gradients is exact.
     """
 
-    input_ids: "torch.Tensor"
-    attention_mask: "torch.Tensor"
-    position_ids: "torch.Tensor"
+    input_ids: "torch.Tensor | None"
+    attention_mask: "torch.Tensor | None"
+    position_ids: "torch.Tensor | None"
     prompt_len: int
     loss_mask: "torch.Tensor"
     advantages: "torch.Tensor"
@@ -138,32 +151,15 @@ class Batch:
     extras: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return self.loss_mask.shape[0]
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], pad_id: int, advantages=None) -> "Batch":
-        """Pad samples into tensors. ``advantages``: per sample a float (broadcast over its
-        response tokens) or a list of per-token floats; default 0."""
-        import torch
+    def from_samples(cls, samples: list[Sample], pad_id: int, advantages: Any = None) -> "Batch":
+        """Pad token samples into tensors (the ``miles_tokens`` library's layout). ``advantages``:
+        per sample a float (broadcast over its response tokens) or a list of per-token floats; default 0."""
+        from miles_tokens import pad_samples
 
-        P = max(len(s.prompt_ids) for s in samples)
-        R = max(1, max(len(s.response_ids) for s in samples))
-        ids, attn, lmask, adv, rlp = [], [], [], [], []
-        for i, s in enumerate(samples):  # plain lists, then one tensor each: much faster than per row
-            p, r = len(s.prompt_ids), len(s.response_ids)
-            tail = [0] * (R - r)
-            ids.append([pad_id] * (P - p) + list(s.prompt_ids) + list(s.response_ids) + [pad_id] * (R - r))
-            attn.append([0] * (P - p) + [1] * (p + r) + tail)
-            lmask.append(list(s.loss_mask[:r]) + tail)
-            rlp.append((list(s.logprobs[:r]) if s.logprobs else [0.0] * r) + tail)
-            a = 0.0 if advantages is None else advantages[i]
-            adv.append((list(a[:r]) if isinstance(a, (list, tuple)) else [float(a)] * r) + tail)
-        ids, attn = torch.tensor(ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long)
-        lmask, adv, rlp = (torch.tensor(x, dtype=torch.float) for x in (lmask, adv, rlp))
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
-        return cls(ids, attn, pos, P, lmask, adv, rlp, rewards, list(samples),
-                   global_tokens=float(lmask.sum().clamp(min=1)), global_samples=len(samples))
+        return cls(samples=list(samples), **pad_samples(samples, pad_id, advantages))
 
     def select(self, idx: list[int]) -> "Batch":
         """Rows ``idx`` as a new Batch that keeps this batch's global denominators."""

@@ -12,7 +12,7 @@ over the step-0 value after ``STEPS`` RL steps. Measured gains after 40 steps, 6
 algorithm (warm-start seeds 0-3, plus RL seeds 7 and 8 from warm-start seed 0; CPU, 2 pinned
 cores, torch 2.11): gspo +0.23..+0.31 (mean +0.27), ppo with one mini-batch +0.21..+0.27
 (+0.25), reinforce_pp +0.18..+0.27 (+0.24), reinforce_pp baseline +0.18..+0.26 (+0.23); on the
-2-core dev machine (torch 2.13, one warm start, two sessions): gspo +0.27/+0.28, reinforce_pp
+2-core machine (torch 2.13, one warm start, two runs): gspo +0.27/+0.28, reinforce_pp
 +0.25/+0.26, baseline +0.22/+0.22, ppo as in the recipe (two mini-batches) +0.26/+0.22/+0.22 for
 RL seeds 0/1/2 and +0.23. Quiet, the fixture takes ~60 s and each test 15-25 s. With no learning
 the final greedy evaluation is of the same weights, so the gain is exactly 0.

@@ -33,7 +33,7 @@ def test_all_problems_reported_at_once(pm):
     assert "run.stepz: unknown key; allowed keys:" in problems and "steps" in problems
     assert "rollout.n:" in problems and "'zero'" in problems
     assert "algorithm.clip_lo: unknown key" in problems and "clip_low" in problems
-    assert "engine.name: unknown engine 'warp'; registered: sglang, torch" in problems
+    assert "engine.name: unknown engine 'warp'; registered: " in problems and "sglang, torch" in problems
     assert "bogus: unknown section" in problems
 
 
@@ -79,12 +79,15 @@ def test_cli_broken_yaml_and_failing_plugin(cli, tmp_path):
 
 
 def test_rollout_in_flight(pm, cli, tmp_path):
-    bad = "\n".join(_problems(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=abort"])))
+    """An async-only key is owned by the async mode's schema: checked there, and named as its
+    setting when the run is sync."""
+    bad = "\n".join(_problems(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=abort", "run.mode=async"])))
     assert "rollout.in_flight:" in bad and "'finish' or 'resume'" in bad and "'abort'" in bad
-    assert _problems(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=resume"])) == [
-        "rollout.in_flight: resume needs run.mode async (sync runs never push weights while generating)"]
-    cfg = resolve(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=resume", "run.mode=async"]))
-    assert cfg.rollout.in_flight == "resume"
+    (sync,) = _problems(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=resume"]))
+    assert sync.startswith("rollout.in_flight: unknown key") and "setting of run.mode async" in sync
+    cfg = resolve(pm, apply_overrides(read_yaml(TINY), ["rollout.in_flight=resume", "run.mode=async",
+                                                          "engine.name=sglang", "engine.urls=[http://127.0.0.1:1]"]))
+    assert cfg.mode_settings.in_flight == "resume"
     # the engine inside the trainer's process cannot abort and resume: an error before any training
     r = cli("train", TINY, f"run.out_dir={tmp_path}", "run.mode=async", "rollout.in_flight=resume")
     assert r.returncode == 2 and "rollout.in_flight: resume needs engines in their own processes" in r.stderr
@@ -99,8 +102,25 @@ def test_run_mode_is_one_of_the_registered_modes(pm):
     # async is the miles-plugin-async distribution's: without it, the error says what to install
     bare = make_plugin_manager(extra=["miles_plugin_hf", "miles_plugin_arith", "miles_plugin_grpo",
                                       "miles_plugin_torch_engine", "miles_plugin_fsdp2",
-                                      "miles_plugin_tensor", "miles_plugin_sft"], autoload=False)
+                                      "miles_plugin_tensor", "miles_plugin_sft", "miles_plugin_sync",
+                                      "miles_plugin_single_turn"], autoload=False)
     assert resolve(bare, read_yaml(TINY)).run.mode == "sync"
     assert _problems(bare, apply_overrides(read_yaml(TINY), ["run.mode=async"])) == [
         "run.mode: unknown mode 'async'; registered: sync (pip install miles-plugin-async, which "
         "provides it)"]
+
+
+def test_the_default_mode_rollout_and_warm_start_are_plugins_whose_absence_says_what_to_install():
+    base = ["miles_plugin_hf", "miles_plugin_arith", "miles_plugin_grpo", "miles_plugin_torch_engine",
+            "miles_plugin_fsdp2", "miles_plugin_tensor"]
+    problems = _problems(make_plugin_manager(extra=base, autoload=False), read_yaml(TINY))
+    text = "\n".join(problems)
+    for dist in ("miles-plugin-sync", "miles-plugin-single-turn", "miles-plugin-sft"):
+        assert f"pip install {dist}, which provides it" in text, text
+    assert any(p.startswith("run.warm_start: no installed plugin runs a warm start") for p in problems), text
+    # the warm start's trainer settings over the trainer section, checked by the sft plugin's hook
+    full = make_plugin_manager(extra=base + ["miles_plugin_sft", "miles_plugin_sync", "miles_plugin_single_turn"],
+                               autoload=False)
+    assert resolve(full, read_yaml(TINY)).run.warm_start.trainer == {"lr": 3.0e-3}
+    bad = _problems(full, apply_overrides(read_yaml(TINY), ["run.warm_start.trainer.lr=-1"]))
+    assert len(bad) == 1 and bad[0].startswith("run.warm_start.trainer.lr:"), bad

@@ -1,4 +1,4 @@
-"""GPU paths (run on the H200 box: ``python -m pytest -m gpu tests/test_gpu.py``; CI has no GPU)."""
+"""GPU paths (run on a CUDA machine: ``python -m pytest -m gpu tests/test_gpu.py``; CI has no GPU)."""
 import json
 
 import pytest

@@ -5,7 +5,7 @@ import pytest
 
 from miles import Group, Sample, Task, hookimpl
 from miles.errors import PluginError
-from miles.plugins import call_all, call_first, make_plugin_manager
+from miles.plugins import make_plugin_manager
 
 SHOUT = """
     from miles import hookimpl
@@ -72,14 +72,14 @@ def _pm(*plugins):
 
 def test_reward_is_firstresult_and_none_falls_through():
     s = Sample(task=Task("p"))
-    assert call_first(_pm(Second(), First()), "miles_reward", sample=s) == 0.5
-    assert call_first(_pm(First()), "miles_reward", sample=s) is None
+    assert _pm(Second(), First()).hook.miles_reward(sample=s) == 0.5
+    assert _pm(First()).hook.miles_reward(sample=s) is None
 
 
 def test_filter_calls_every_implementation_and_false_drops():
     g = Group(Task("p"), [])
-    assert call_all(_pm(Second(), Dropper()), "miles_filter", group=g) == [False]
-    assert False not in call_all(_pm(Second()), "miles_filter", group=g)
+    assert _pm(Second(), Dropper()).hook.miles_filter(group=g) == [False]
+    assert False not in _pm(Second()).hook.miles_filter(group=g)
 
 
 def test_exception_in_hook_names_hook_and_plugin():
@@ -91,7 +91,7 @@ def test_exception_in_hook_names_hook_and_plugin():
     pm = _pm()
     pm.register(Broken(), name="broken-plugin")
     with pytest.raises(PluginError, match="broken-plugin.*miles_reward.*boom"):
-        call_first(pm, "miles_reward", sample=Sample(task=Task("p")))
+        pm.hook.miles_reward(sample=Sample(task=Task("p")))
 
 
 def test_duplicate_component_names_are_an_error():
@@ -111,7 +111,7 @@ def test_launch_time_py_file_is_registered(tmp_path):
     f = tmp_path / "my_reward.py"
     f.write_text("from miles import hookimpl\n@hookimpl\ndef miles_reward(sample):\n    return 1.25\n")
     pm = make_plugin_manager(extra=[str(f)], autoload=False)
-    assert call_first(pm, "miles_reward", sample=Sample(task=Task("p"))) == 1.25
+    assert pm.hook.miles_reward(sample=Sample(task=Task("p"))) == 1.25
 
 
 def test_plugin_that_raises_on_import_is_named(tmp_path):
@@ -121,3 +121,79 @@ def test_plugin_that_raises_on_import_is_named(tmp_path):
         make_plugin_manager(extra=[str(f)], autoload=False)
     with pytest.raises(PluginError, match="does not exist"):
         make_plugin_manager(extra=[str(tmp_path / "missing.py")], autoload=False)
+
+
+# --- hooks are dispatched by pluggy: wrappers, ordering and argument subsets behave as documented --
+class Rescale:
+    """A new-style wrapper around every other miles_reward implementation."""
+
+    @hookimpl(wrapper=True)
+    def miles_reward(self, sample):
+        inner = yield
+        return None if inner is None else inner * 10
+
+
+class Early:
+    @hookimpl(tryfirst=True)
+    def miles_reward(self):  # an argument subset: no ``sample``
+        return 0.25
+
+
+def test_a_wrapper_rescales_the_inner_reward():
+    s = Sample(task=Task("p"))
+    assert _pm(Second(), Rescale()).hook.miles_reward(sample=s) == 5.0
+    assert _pm(First(), Rescale()).hook.miles_reward(sample=s) is None  # "not mine" passes through
+
+
+def test_tryfirst_orders_two_reward_plugins_whatever_the_registration_order():
+    s = Sample(task=Task("p"))
+    assert _pm(Early(), Second()).hook.miles_reward(sample=s) == 0.25
+    assert _pm(Second(), Early()).hook.miles_reward(sample=s) == 0.25
+
+
+def test_a_filter_wrapper_sees_and_changes_every_verdict():
+    class KeepAll:
+        @hookimpl(wrapper=True)
+        def miles_filter(self, group):
+            verdicts = yield
+            return [v for v in verdicts if v is not False]
+
+    g = Group(Task("p"), [])
+    assert _pm(Dropper(), Second()).hook.miles_filter(group=g) == [False]
+    assert False not in _pm(Dropper(), Second(), KeepAll()).hook.miles_filter(group=g)
+
+
+def test_the_loop_filters_and_rewards_through_pluggy(tmp_path):
+    """The kernel's rollout service goes through ``pm.hook``: a wrapper reaches a real run's rewards."""
+    from types import SimpleNamespace
+
+    from miles.rollouts import RolloutService
+
+    pm = _pm(Second(), Rescale(), Dropper())
+    env = SimpleNamespace(reward=lambda s: 0.0)
+    service = RolloutService(pm, None, None, env, None, SimpleNamespace(keep=lambda g: True), console=lambda t: None)
+    s = Sample(task=Task("p"))
+    service.score(s)
+    assert s.reward == 5.0
+    assert service.keep(Group(Task("p"), [s])) is False
+
+
+def test_a_reward_that_is_not_a_finite_number_excludes_the_sample_and_names_the_plugin():
+    from types import SimpleNamespace
+
+    from miles.rollouts import RolloutService
+
+    class Bad:
+        @hookimpl
+        def miles_reward(self, sample):
+            return float("nan") if sample.task.prompt == "nan" else "0.5"
+
+    pm, said = _pm(), []
+    pm.register(Bad(), name="bad-reward")
+    service = RolloutService(pm, None, None, SimpleNamespace(), None, None, console=said.append)
+    for prompt in ("nan", "text"):
+        s = Sample(task=Task(prompt), response_ids=[1, 2], logprobs=[0.0, 0.0])
+        service.score(s)
+        assert s.reward == 0.0 and s.loss_mask == [0, 0] and s.status.value == "failed"
+    assert len(said) == 1 and "bad-reward" in said[0]
+    assert service.metrics([])["rewards_invalid"] == 2.0

@@ -31,6 +31,14 @@ class EngineProcess:
         child.close()
         self._lock = threading.Lock()  # transports may call from several threads
         self._methods, self._attrs = self._call("__ready__")
+        # the child's methods as real methods of a class of this proxy's own: the kernel's
+        # runtime-checkable protocols look attributes up statically (Python >= 3.12), never
+        # through __getattr__
+        own = set(vars(EngineProcess))  # close() etc. stay this proxy's
+        members = {n: _forward(n) for n in self._methods if n not in own}
+        members.update({n: property(lambda self, n=n: self._call("__getattr__", n))
+                        for n in self._attrs if n not in own})
+        self.__class__ = type("EngineProcess", (EngineProcess,), members)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
@@ -57,6 +65,13 @@ class EngineProcess:
             self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
+
+
+def _forward(name: str) -> Any:
+    def method(self: EngineProcess, *args: Any, **kwargs: Any) -> Any:
+        return self._call(name, *args, **kwargs)
+    method.__name__ = name
+    return method
 
 
 def _engine_process_main(conn: Any, name: str, settings: dict, spec: Any, seed: int) -> None:

@@ -4,10 +4,9 @@ import sys
 import threading
 import time
 
+import miles_wire as W
 import pytest
 import torch
-
-import miles_wire as W
 from miles import MilesError
 
 
@@ -92,6 +91,20 @@ def test_unknown_dtype_and_backend_are_clear_errors():
 
 
 def test_importing_the_library_does_not_import_torch():
-    code = ("import sys, miles_wire, miles_wire.llama; "
+    code = ("import sys, miles_wire, miles_wire.testing; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_each_module_s_public_names_are_importable_from_the_package():
+    import importlib
+
+    for mod in ("dtypes", "bucketing", "packing", "calls", "verification", "groups", "disk"):
+        m = importlib.import_module(f"miles_wire.{mod}")
+        # its own functions and classes, and its constants (names imported into it are left out)
+        own = [n for n, v in vars(m).items() if not n.startswith("_") and n != "TYPE_CHECKING"
+               and getattr(v, "__module__", m.__name__) == m.__name__ and (callable(v) or n.isupper())]
+        assert own, mod
+        for name in own:
+            assert getattr(W, name) is getattr(m, name), f"miles_wire.{name} (from {mod})"
+            assert name in W.__all__, name

@@ -11,28 +11,15 @@ advantage (RL plus a distillation term). ``logp_student`` is the rollout engine'
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from miles import Batch, Group, Sample
+from miles_rlmath.advantages import group_advantages
+from miles_rlmath.masked import aggregate, masked_mean
+from miles_rlmath.ratio import ppo_clip_loss
 
 from .config import DistillConfig
-
-
-def reward_advantages(rewards: Sequence[float], std_normalize: bool = True) -> list[float]:
-    """Group-relative advantages ``(r - mean) / (std + 1e-6)`` (unbiased std; none for n = 1)."""
-    r = [float(x) for x in rewards]
-    if len(r) < 2:
-        return [0.0] * len(r)
-    mean = sum(r) / len(r)
-    adv = [x - mean for x in r]
-    std = math.sqrt(sum(a * a for a in adv) / (len(r) - 1))
-    return [a / (std + 1e-6) for a in adv] if std_normalize and std > 0 else adv
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x.detach().float() * mask).sum() / mask.sum().clamp(min=1))
 
 
 class Distill:
@@ -40,6 +27,7 @@ class Distill:
 
     uses_rollout = True
     needs_reference = False
+    needs_critic = False
 
     def __init__(self, cfg: DistillConfig):
         self.cfg = cfg
@@ -62,7 +50,7 @@ class Distill:
         teacher = iter(self.teacher.logprobs(samples))
         out = []
         for g in groups:
-            rl = (reward_advantages(g.rewards, self.cfg.std_normalize) if self.cfg.reward_coef
+            rl = (group_advantages(g.rewards, self.cfg.std_normalize) if self.cfg.reward_coef
                   else [0.0] * len(g.samples))
             per_group = []
             for s, a in zip(g.samples, rl):
@@ -81,18 +69,13 @@ class Distill:
         batch.teacher_logprobs = torch.tensor([r + [0.0] * (R - len(r)) for r in rows])
         return batch
 
-    def _aggregate(self, batch: Batch, x: torch.Tensor) -> torch.Tensor:
-        return batch.seq_mean(x) if self.cfg.loss_agg == "seq-mean-token-mean" else batch.token_mean(x)
-
     def loss(self, batch: Batch, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-        ratio = torch.exp((logprobs - old).clamp(-20, 20))
-        adv = batch.advantages
-        per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - self.cfg.clip_low, 1 + self.cfg.clip_high))
+        per_token, _ = ppo_clip_loss(logprobs, old, batch.advantages, self.cfg.clip_low, self.cfg.clip_high)
         mask = batch.loss_mask
-        metrics = {"pg_loss": float(self._aggregate(batch.as_global(), per_token.detach()))}
+        metrics = {"pg_loss": float(aggregate(batch.as_global(), per_token.detach(), self.cfg.loss_agg))}
         if batch.teacher_logprobs is not None:
             # sample estimate of the per-token reverse KL(student || teacher) on the student's tokens
             metrics["distill_reverse_kl"] = masked_mean(batch.rollout_logprobs - batch.teacher_logprobs, mask)
             metrics["teacher_logprob_mean"] = masked_mean(batch.teacher_logprobs, mask)
-        return self._aggregate(batch, per_token), metrics
+        return aggregate(batch, per_token, self.cfg.loss_agg), metrics

@@ -5,8 +5,9 @@ import torch
 from miles import ConfigError, MilesError
 from miles.config import resolve
 from miles.testing import TinySpec, assert_lazy_registration, char_tokenizer, make_group
-from miles_plugin_distill.algorithm import Distill, reward_advantages
+from miles_plugin_distill.algorithm import Distill
 from miles_plugin_distill.config import DistillConfig
+from miles_rlmath import group_advantages
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +62,17 @@ def test_pure_distillation_advantage_is_teacher_minus_student(teacher_dir):
 def test_reward_term_adds_group_advantages(teacher_dir):
     pure = Distill(DistillConfig(teacher=teacher_dir)).advantages(groups_with_text())
     mixed = Distill(DistillConfig(teacher=teacher_dir, reward_coef=0.5)).advantages(groups_with_text())
-    rl = [reward_advantages([1.0, 0.0]), reward_advantages([1.0, 0.0, 0.0])]
+    rl = [group_advantages([1.0, 0.0]), group_advantages([1.0, 0.0, 0.0])]
     for g_pure, g_mixed, g_rl in zip(pure, mixed, rl):
         for a_pure, a_mixed, r in zip(g_pure, g_mixed, g_rl):
             assert a_mixed == pytest.approx([x + 0.5 * r for x in a_pure])
 
 
-def test_reward_advantages():
+def test_reward_advantages_are_the_shared_group_advantages():
     # mean 1/3, deviations (2/3, -1/3, -1/3), unbiased std sqrt(1/3)
-    a = reward_advantages([1, 0, 0])
+    a = group_advantages([1, 0, 0])
     assert a == pytest.approx([0.6667 / 0.57735, -0.3333 / 0.57735, -0.3333 / 0.57735], abs=1e-3)
-    assert reward_advantages([1.0]) == [0.0] and reward_advantages([1, 1], False) == [0.0, 0.0]
+    assert group_advantages([1.0]) == [0.0] and group_advantages([1, 1], False) == [0.0, 0.0]
 
 
 def test_loss_is_policy_gradient_on_token_advantages(teacher_dir):

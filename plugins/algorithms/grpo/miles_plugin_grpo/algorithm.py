@@ -7,28 +7,23 @@ reward, batch whitening).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 from miles import Batch, Group
+from miles_rlmath.advantages import (
+    discounted_returns,
+    group_advantages,
+    terminal_rewards,
+)
+from miles_rlmath.masked import masked_mean, masked_whiten, row_mean
+from miles_rlmath.policy import policy_loss, reward_kl
 
 from .config import GRPOConfig, GSPOConfig, ReinforcePPConfig
-# Re-exported: these names were first defined here and tests and users import them from here.
-from .losses import (LOG_RATIO_CLAMP, STD_EPS, aggregate, discounted_returns,  # noqa: F401
-                     group_advantages, kl_estimate, masked_mean, masked_whiten, ppo_clip_loss,
-                     terminal_rewards)
-from .policy import policy_loss, reward_kl
 
 
 def _all_equal(rewards: list[float]) -> bool:
     return all(r == rewards[0] for r in rewards)
-
-
-def row_outcome(batch: Batch) -> torch.Tensor:
-    """``[B]`` the per-sample scalar that ``advantages()`` put in (broadcast over its tokens)."""
-    m = batch.loss_mask
-    return (batch.advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
 class GRPO:
@@ -36,6 +31,7 @@ class GRPO:
 
     uses_rollout = True
     sequence_level = False
+    needs_critic = False
 
     def __init__(self, cfg: GRPOConfig | None = None):
         self.cfg = cfg if cfg is not None else GRPOConfig()
@@ -98,12 +94,12 @@ class ReinforcePP(GRPO):
         advantages are formed in ``prepare`` once the reference log-probs exist."""
         if not self.cfg.baseline:
             return [g.rewards for g in groups]
-        return [group_advantages(g.rewards, std_normalize=False) if len(g.samples) > 1
-                else [0.0] for g in groups]
+        return [group_advantages(g.rewards, std_normalize=False) for g in groups]
 
     def prepare(self, batch: Batch) -> dict[str, float]:
         cfg, mask = self.cfg, batch.loss_mask
-        outcome = row_outcome(batch)
+        # the per-sample scalar that advantages() put in, broadcast over its tokens
+        outcome = row_mean(batch.advantages, mask)
         kl = reward_kl(batch, cfg) if cfg.kl_reward_coef > 0 else torch.zeros_like(mask)
         if cfg.baseline:
             adv = (outcome.unsqueeze(-1) - cfg.kl_reward_coef * kl) * mask

@@ -5,17 +5,26 @@ exp/sqrt digits, never the code under test).
 """
 import math
 
+import miles
 import pytest
 import torch
-from pydantic import ValidationError
-
-import miles
 from miles.protocols import Algorithm
 from miles.testing import assert_lazy_registration, make_group
-from miles_plugin_grpo import (GRPOConfig, GSPOConfig, ReinforcePPConfig, discounted_returns, gae,
-                               masked_whiten, mismatch_keep, policy_loss, sampled_entropy,
-                               sequence_log_ratio, terminal_rewards, tis_weights, value_clip_loss)
 from miles_plugin_grpo.algorithm import GRPO, GSPO, ReinforcePP
+from miles_plugin_grpo.config import GRPOConfig, GSPOConfig, ReinforcePPConfig
+from miles_rlmath import (
+    discounted_returns,
+    gae,
+    masked_whiten,
+    mismatch_keep,
+    policy_loss,
+    sampled_entropy,
+    sequence_log_ratio,
+    terminal_rewards,
+    tis_weights,
+    value_clip_loss,
+)
+from pydantic import ValidationError
 
 
 def batch_of(lengths, advantages, masks=None, rollout_logprobs=None, rewards=None):

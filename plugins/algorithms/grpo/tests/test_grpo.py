@@ -1,17 +1,15 @@
 """GRPO plugin tests. Every expected number is worked out by hand in the comments."""
 import math
 
+import miles
 import pytest
 import torch
-from pydantic import ValidationError
-
-import miles
 from miles.protocols import Algorithm
-from miles.testing import make_group
-from miles_plugin_grpo.algorithm import (GRPO, aggregate, group_advantages, kl_estimate,
-                                         ppo_clip_loss)
+from miles.testing import assert_lazy_registration, make_group
+from miles_plugin_grpo.algorithm import GRPO
 from miles_plugin_grpo.config import GRPOConfig
-from miles.testing import assert_lazy_registration
+from miles_rlmath import aggregate, group_advantages, kl_estimate, ppo_clip_loss
+from pydantic import ValidationError
 
 
 def batch_of(lengths, advantages, masks=None, rewards=None):
@@ -45,11 +43,13 @@ def test_advantages_without_std():
 
 def test_advantages_edge_cases():
     assert group_advantages([1, 1, 1]) == [0.0, 0.0, 0.0]  # std 0: no division, deviations 0
-    assert group_advantages([0.7]) == pytest.approx([0.7])  # n == 1: the raw reward
+    # n == 1: no baseline but itself (r - mean(r) = 0), std undefined -> 0 (miles_rlmath's rule)
+    assert group_advantages([0.7]) == [0.0]
+    assert group_advantages([0.7], std_normalize=False) == [0.0]
     algo = GRPO(GRPOConfig())
     out = algo.advantages([make_group([1, 0, 0, 0]), make_group([2.0])])
     assert out[0] == pytest.approx([1.499997, -0.499999, -0.499999, -0.499999], abs=1e-6)
-    assert out[1] == [2.0]
+    assert out[1] == [0.0]
 
 
 def test_zero_variance_filter():

@@ -12,13 +12,14 @@ value loss ``max((V - R)^2, (V_old + clip(V - V_old, +-eps_v) - R)^2)``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 from miles import Batch, Group
-from miles_plugin_grpo import (aggregate, gae, masked_mean, masked_whiten, policy_loss, reward_kl,
-                               terminal_rewards, value_clip_loss)
+from miles_rlmath.advantages import gae, terminal_rewards
+from miles_rlmath.masked import aggregate, masked_mean, masked_whiten, row_mean
+from miles_rlmath.policy import policy_loss, reward_kl
+from miles_rlmath.value import explained_variance, value_clip_loss
 
 from .config import PPOConfig
 
@@ -55,9 +56,9 @@ class PPO:
         values = batch.extras.get("values")
         if values is None:
             raise ValueError("ppo needs the critic's values in batch.extras['values']; the loop "
-                             "asks the trainer for them when algorithm.needs_critic is True")
+                             "asks the trainer for them when an algorithm declares needs_critic = True")
         values = values * mask
-        outcome = (batch.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        outcome = row_mean(batch.advantages, mask)
         rewards = terminal_rewards(outcome, mask)
         metrics = {}
         if cfg.kl_reward_coef > 0:
@@ -69,7 +70,7 @@ class PPO:
         batch.advantages = masked_whiten(adv, mask) if cfg.normalize_advantages else adv
         metrics.update(value_mean=masked_mean(values, mask), return_mean=masked_mean(returns, mask),
                        gae_adv_mean=masked_mean(adv, mask),
-                       explained_variance=_explained_variance(values, returns, mask))
+                       explained_variance=explained_variance(values, returns, mask))
         return metrics
 
     def loss(self, batch: Batch, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -87,13 +88,3 @@ class PPO:
             "value_clipfrac": masked_mean(clipped.float(), mask),
             "value_pred_mean": masked_mean(values, mask)}
 
-
-def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """``1 - Var(R - V) / Var(R)`` over trainable tokens: 1 is a perfect critic, 0 a constant one."""
-    n = mask.sum().clamp(min=1)
-
-    def var(x: torch.Tensor) -> torch.Tensor:
-        mean = (x * mask).sum() / n
-        return (((x - mean) * mask) ** 2).sum() / n
-    vr = var(returns)
-    return float(1 - var(returns - values) / vr) if vr > 0 else 0.0

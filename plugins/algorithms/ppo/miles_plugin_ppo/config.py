@@ -1,9 +1,8 @@
 """PPO settings (pydantic only: importable without torch)."""
 from __future__ import annotations
 
+from miles_rlmath.config import PolicyLossConfig
 from pydantic import Field
-
-from miles_plugin_grpo import PolicyLossConfig
 
 
 class PPOConfig(PolicyLossConfig):

@@ -8,15 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import miles
 import pytest
 import torch
-from pydantic import ValidationError
-
-import miles
 from miles.protocols import Algorithm
 from miles.testing import assert_lazy_registration, make_group
 from miles_plugin_ppo.algorithm import PPO
 from miles_plugin_ppo.config import PPOConfig
+from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parents[4]
 

@@ -1,6 +1,8 @@
-"""miles plugin: supervised fine-tuning (registered as algorithm ``"sft"``).
+"""miles plugin: supervised fine-tuning (registered as algorithm ``"sft"``) and the supervised
+warm start before RL (``run.warm_start``, hook ``miles_warm_start``).
 
-Only thin hook implementations live here; the torch-using logic is in ``algorithm.py``.
+Only thin hook implementations live here; the torch-using logic is in ``algorithm.py``, the warm
+start in ``warmstart.py``.
 """
 from miles import hookimpl
 
@@ -16,3 +18,22 @@ def miles_register_algorithms(register):
     from .config import SFTConfig
 
     register("sft", _make, config=SFTConfig)
+
+
+@hookimpl
+def miles_warm_start(run, settings):
+    from .warmstart import warm_start
+
+    return warm_start(run, settings)
+
+
+@hookimpl
+def miles_validate_config(config, pm):
+    """``run.warm_start.trainer`` over the trainer section, checked by the trainer's own schema."""
+    if config.run.warm_start is None or config.name("trainer") not in pm.registry("trainers"):
+        return None
+    from .warmstart import trainer_settings
+
+    problems = []
+    trainer_settings(config, pm, problems)
+    return problems

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from miles import Batch, Group, Sample
+from miles_rlmath.masked import aggregate
 
 from .config import SFTConfig
 
@@ -23,22 +24,32 @@ class SFT:
 
     uses_rollout = False
     needs_reference = False
+    needs_critic = False
 
     def __init__(self, cfg: SFTConfig | None = None):
         self.cfg = cfg if cfg is not None else SFTConfig()
         self._source = None
+        self._demos: tuple[Any, list] | None = None  # (env, its demonstrations)
         if self.cfg.data is not None:
             from .data import DatasetSource
 
             self._source = DatasetSource(self.cfg)
 
-    def supervised_samples(self, tokenizer: Any, count: int, rng: random.Random,
-                           version: int = 0) -> list[Sample] | None:
-        """``count`` examples of the dataset file, or None (the loop then uses the env's
-        demonstrations)."""
-        if self._source is None:
+    def supervised_samples(self, tokenizer: Any, count: int, rng: random.Random, version: int = 0, *,
+                           env: Any = None, rollout: Any = None) -> list[Sample] | None:
+        """``count`` examples of the dataset file, else of the ``env``'s demonstrations (multi-turn
+        ones laid out by the ``rollout`` component); None without either."""
+        if self._source is not None:
+            return self._source.samples(tokenizer, count, rng, version)
+        if env is None:
             return None
-        return self._source.samples(tokenizer, count, rng, version)
+        from .demos import demo_samples, demonstrations
+
+        if self._demos is None or self._demos[0] is not env:  # listed once per env, not every step
+            self._demos = (env, demonstrations(env, "algorithm sft",
+                                               "set algorithm.data to a dataset file, or pick an env with them"))
+        return demo_samples(self._demos[1], count, rng, tokenizer=tokenizer, env=env, rollout=rollout,
+                            version=version)
 
     def make_batch(self, samples: list[Sample], pad_id: int, advantages=None) -> Batch:
         if not self.cfg.pack:
@@ -54,13 +65,8 @@ class SFT:
         # Demonstrations carry no reward signal; zeros keep the Batch shape contract.
         return [[0.0] * len(g.samples) for g in groups]
 
-    def _aggregate(self, batch: Batch, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.loss_agg == "seq-mean-token-mean":
-            return batch.seq_mean(x)
-        return batch.token_mean(x)
-
     def loss(self, batch: Batch, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        loss = -self._aggregate(batch, logprobs)
+        loss = -aggregate(batch, logprobs, self.cfg.loss_agg)
         # Reported on the micro-batch's own scale, so averaging over micro-batches is meaningful.
-        own = -self._aggregate(batch.as_global(), logprobs.detach())
+        own = -aggregate(batch.as_global(), logprobs.detach(), self.cfg.loss_agg)
         return loss, {"sft_loss": float(own)}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from miles import MilesError, Sample, Task
-from miles.builtin import encode_prompts
+from miles_tokens import encode_prompts
 
 from .config import SFTConfig
 
@@ -32,8 +32,8 @@ class Example:
     response: str
 
 
-def load_rows(path: str) -> list[dict]:
-    """Rows of a .jsonl/.json/.parquet file, read with Hugging Face ``datasets``."""
+def check_file(path: str) -> tuple[Path, str]:
+    """The dataset file and its format, or a MilesError that says how to make it."""
     p = Path(path)
     if not p.is_file():
         raise MilesError(f"algorithm.data: {path} does not exist. For the arith env, write it with "
@@ -42,6 +42,12 @@ def load_rows(path: str) -> list[dict]:
     fmt = FORMATS.get(p.suffix)
     if fmt is None:
         raise MilesError(f"algorithm.data: {path} must end in one of {', '.join(FORMATS)}")
+    return p, fmt
+
+
+def load_rows(path: str) -> list[dict]:
+    """Rows of a .jsonl/.json/.parquet file, read with Hugging Face ``datasets``."""
+    p, fmt = check_file(path)
     import datasets
 
     datasets.disable_progress_bars()
@@ -109,7 +115,7 @@ def pair_examples(tokenizer: Any, prompts: list, responses: list[str], labels: l
 
 def tokenize(rows: list[dict], tokenizer: Any, cfg: SFTConfig, source: str) -> list[Example]:
     pairs = [r for r in rows if r.get(cfg.messages_key) is None]
-    for i, r in enumerate(pairs):
+    for r in pairs:
         if r.get(cfg.prompt_key) is None or r.get(cfg.response_key) is None:
             raise MilesError(f"{source}: a row has neither {cfg.messages_key!r} nor both "
                              f"{cfg.prompt_key!r} and {cfg.response_key!r} (keys: {sorted(r)}); set "
@@ -127,6 +133,7 @@ class DatasetSource:
     def __init__(self, cfg: SFTConfig):
         self.cfg = cfg
         self.examples: list[Example] | None = None
+        check_file(cfg.data)  # when the run is built (after the env, which may write it), not mid-run
 
     def samples(self, tokenizer: Any, count: int, rng: random.Random, version: int = 0) -> list[Sample]:
         if self.examples is None:

@@ -10,7 +10,8 @@ def miles_register_trainers(register):
 
 
 def _make(cfg, **context):
-    if getattr(context.get("algorithm"), "needs_critic", False):  # PPO: policy + value model
+    algorithm = context.get("algorithm")  # None when a trainer is built outside a run (tests, export)
+    if algorithm is not None and algorithm.needs_critic:  # PPO: policy + value model
         from .critic import CriticTrainer
 
         return CriticTrainer(cfg, **context)

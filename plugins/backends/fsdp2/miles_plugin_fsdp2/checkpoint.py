@@ -2,18 +2,81 @@
 
 DCP stores each tensor with its global shape and every rank's chunks, so a checkpoint written by
 N ranks loads at M ranks (including 1, plain tensors). Model, optimizer and the reference model
-go through DCP; the LR scheduler and RNG state are a small ``trainer_state.pt`` written by rank 0.
+go through DCP; the LR scheduler state is a small ``trainer_state.json`` and the RNG state
+``rng.safetensors``, both written by rank 0.
+
+Nothing is unpickled freely on load, so a planted checkpoint cannot run code: DCP's ``.metadata``
+pickle goes through an allow-list of DCP's own metadata classes, and its non-tensor items (the
+optimizer's hyper-parameters) through ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
+import pickle
 import warnings
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-EXTRA = "trainer_state.pt"
+EXTRA, RNG = "trainer_state.json", "rng.safetensors"
+_META_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_META_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch sizes/dtypes/layouts and paths: nothing that can run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        ok = ((module, name) in _META_NAMES or module in _META_MODULES
+              or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        obj = super().find_class(module, name) if ok else None
+        if obj is None or (module in _META_MODULES and not isinstance(obj, type)):
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+        return obj
+
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is unpickled through an allow-list."""
+
+    refused: Exception | None = None  # what it refused (DCP wraps errors in CheckpointException)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from miles import MilesError
+
+        try:
+            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                meta = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+            self.refused = MilesError(f"{self.path} has a damaged or unsafe .metadata ({e}); it was not loaded")
+            raise self.refused from None
+        meta.storage_meta = getattr(meta, "storage_meta", None) or __import__(
+            "torch.distributed.checkpoint.metadata", fromlist=["StorageMeta"]).StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """Non-tensor items (plain Python values) are loaded only once ``weights_only=True`` accepts them."""
+
+    refused: Exception | None = None
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from miles import MilesError
+
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            self.refused = MilesError(f"checkpoint item {read_item.dest_index.fqn} is not plain data "
+                                      f"(refused to unpickle it): {str(e).splitlines()[0]}")
+            raise self.refused from None
+        value.seek(0)
+        super().load_bytes(read_item, value)  # the same bytes, now known to hold only allowed values
 
 
 @contextlib.contextmanager
@@ -24,10 +87,20 @@ def _quiet():
         yield
 
 
+def _first_line(e: BaseException) -> str:
+    """The cause in one line: DCP's CheckpointException text is each rank's whole traceback, whose
+    last line is the error itself (a size mismatch, a missing key)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+    return (lines[-1] if lines else type(e).__name__)[:300]
+
+
 def save(trainer: Any, path: str) -> None:
     """Collective: every rank writes its shards into ``path``; rank 0 adds the small extras."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+    )
 
     os.makedirs(path, exist_ok=True)
     trainer.reshard()
@@ -38,27 +111,37 @@ def save(trainer: Any, path: str) -> None:
     with _quiet():
         dcp.save(state, checkpoint_id=path)
     if trainer.rank == 0:
-        extra = {"sched": trainer.sched.state_dict(), "rng": torch.get_rng_state(),
-                 "has_ref": trainer.ref is not None, "world_size": trainer.world_size}
+        from safetensors.torch import save_file
+
+        extra = {"sched": trainer.sched.state_dict(), "has_ref": trainer.ref is not None,
+                 "world_size": trainer.world_size}
+        rng = {"rng": torch.get_rng_state()}
         if torch.cuda.is_available() and trainer.device.type == "cuda":
-            extra["cuda_rng"] = torch.cuda.get_rng_state(trainer.device)
-        torch.save(extra, os.path.join(path, EXTRA))
+            rng["cuda_rng"] = torch.cuda.get_rng_state(trainer.device)
+        with open(os.path.join(path, EXTRA), "w") as f:
+            json.dump(extra, f)
+        save_file(rng, os.path.join(path, RNG))
     trainer.barrier()
 
 
 def load(trainer: Any, path: str) -> None:
     """Collective: restore what :func:`save` wrote, resharded to this world size."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                         set_model_state_dict, set_state_dict)
-
     from miles import MilesError
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     extra_path = os.path.join(path, EXTRA)
     if not os.path.exists(extra_path):
         raise MilesError(f"{path} is not an fsdp2 trainer checkpoint (no {EXTRA}); it may come from "
-                         f"an older miles that wrote trainer.pt: start a fresh run.out_dir")
-    extra = torch.load(extra_path, weights_only=False)
+                         f"an older miles: start a fresh run.out_dir")
+    with open(extra_path) as f:
+        extra = {**json.load(f), **load_file(os.path.join(path, RNG))}
     if extra["has_ref"]:
         trainer.snapshot_reference()  # the target layout; its values come from the checkpoint
     trainer.reshard()
@@ -67,8 +150,15 @@ def load(trainer: Any, path: str) -> None:
     state = {"model": model_sd, "optim": optim_sd}
     if trainer.ref is not None:
         state["ref"] = get_model_state_dict(trainer.ref)
-    with _quiet():
-        dcp.load(state, checkpoint_id=path)
+    reader, planner = SafeReader(path), SafePlanner()
+    try:
+        with _quiet():
+            dcp.load(state, storage_reader=reader, planner=planner)
+    except (Exception, CheckpointException) as e:  # e.g. a size mismatch: the model config changed
+        if reader.refused or planner.refused or isinstance(e, MilesError):
+            raise (reader.refused or planner.refused or e) from None
+        raise MilesError(f"trainer checkpoint {path} does not fit this model ({_first_line(e)}); "
+                         f"restore the model settings it was written with, or pick a new run.out_dir") from e
     set_state_dict(trainer.model, trainer.optim, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     if trainer.ref is not None:
@@ -84,10 +174,16 @@ def read_model(path: str, key: str = "model") -> dict[str, torch.Tensor]:
     ``key``: ``"model"`` (the policy) or ``"ref"``."""
     import torch.distributed.checkpoint as dcp
 
-    meta = dcp.FileSystemReader(path).read_metadata()
+    meta = SafeReader(path).read_metadata()
     want = {k[len(key) + 1:]: torch.empty(m.size, dtype=m.properties.dtype)
             for k, m in meta.state_dict_metadata.items()
             if k.startswith(key + ".") and isinstance(m, dcp.TensorStorageMetadata)}
-    with _quiet():
-        dcp.load({key: want}, checkpoint_id=path, no_dist=True)
+    reader, planner = SafeReader(path), SafePlanner()
+    try:
+        with _quiet():
+            dcp.load({key: want}, storage_reader=reader, planner=planner, no_dist=True)
+    except (Exception, CheckpointException):
+        if reader.refused or planner.refused:
+            raise (reader.refused or planner.refused) from None
+        raise
     return want

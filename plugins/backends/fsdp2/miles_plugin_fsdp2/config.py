@@ -1,6 +1,8 @@
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEVICE = r"^(cpu|auto|cuda(:\d+)?)$"
 
 
 class FSDP2Config(BaseModel):
@@ -9,7 +11,7 @@ class FSDP2Config(BaseModel):
     world_size: int | None = Field(None, ge=1, description="trainer ranks; null = follow the launcher "
                                    "(env WORLD_SIZE, default 1). A value that disagrees with the "
                                    "launcher is an error")
-    device: str = Field("cpu", description="cpu, cuda, cuda:N or auto (with several ranks, cuda and "
+    device: str = Field("cpu", pattern=DEVICE, description="cpu, cuda, cuda:N or auto (with several ranks, cuda and "
                                            "auto mean cuda:LOCAL_RANK)")
     shard: bool | None = Field(None, description="FSDP2 fully_shard the model; null = only when "
                                "world_size > 1 (world size 1 stays plain torch); true also at world "
@@ -18,11 +20,12 @@ class FSDP2Config(BaseModel):
         "bf16", description="when sharded on CUDA: bf16 = FSDP2 MixedPrecisionPolicy (bf16 compute, "
                             "fp32 master weights and gradient reduce); fp32 or null = full precision. "
                             "Ignored on CPU and by the unsharded world-size-1 path")
-    lr: float = Field(1e-4, gt=0, description="AdamW peak learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
-    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm (null = off)")
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="AdamW epsilon")
+    grad_clip: float | None = Field(1.0, gt=0, allow_inf_nan=False, description="max global grad norm "
+                                    "(null = off)")
     micro_batch_size: int | None = Field(None, gt=0, description="rows per forward/backward on each "
                                          "rank (gradient accumulation); null = a rank's whole share "
                                          "at once")
@@ -39,3 +42,25 @@ class FSDP2Config(BaseModel):
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up, in optimizer steps")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed LR, as a fraction of lr")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each AdamW beta must be in [0, 1), got {list(v)}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return cuda_available(v)
+
+
+def cuda_available(device: str) -> str:
+    """A ``cuda`` device only where torch sees a GPU (checked before any model is built)."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{device!r} needs a CUDA GPU, and torch sees none here; use cpu or auto")
+    return device

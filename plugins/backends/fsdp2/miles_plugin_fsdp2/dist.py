@@ -16,12 +16,10 @@ import torch.distributed as dist
 
 from miles import MilesError
 import miles_wire as W
+from miles_wire import object_group  # a gloo group for objects and barriers, shared with megatron
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there, with a warning on every call)
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# one gloo group per default process group, for Python objects and barriers: a second trainer in
-# the same process (warm start -> RL) reuses it instead of creating another
-_OBJECT_GROUPS: dict[int, Any] = {}
 
 
 def world_from_env(configured: int | None) -> tuple[int, int, int]:
@@ -34,7 +32,7 @@ def world_from_env(configured: int | None) -> tuple[int, int, int]:
     if configured is not None and configured != world:
         raise MilesError(f"trainer.world_size={configured} but {source} says {world} rank(s); set "
                          f"trainer.world_size=null to follow the launcher, or launch {configured} "
-                         f"ranks (e.g. torchrun --nproc-per-node {configured} or launcher.ranks)")
+                         f"ranks (e.g. torchrun --nproc-per-node {configured} or launcher.trainer_ranks)")
     return rank, int(os.environ.get("LOCAL_RANK", rank)), world
 
 
@@ -62,19 +60,9 @@ def destroy_groups() -> None:
     """Destroy the process groups while the interpreter is whole: left to interpreter teardown,
     gloo's worker threads may still hold tensors, and the process then dies of SIGABRT
     ("terminate called without an active exception") after its run finished."""
-    _OBJECT_GROUPS.clear()
+    W.drop_object_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def object_group() -> Any:
-    """A gloo group over the whole world (the default one if it already is gloo)."""
-    if dist.get_backend() == "gloo":
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _OBJECT_GROUPS:
-        _OBJECT_GROUPS[key] = dist.new_group(backend="gloo")
-    return _OBJECT_GROUPS[key]
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -15,7 +15,7 @@ position (the same values up to GEMM rounding; the embedding's padding row still
 gradient). A 6-layer hidden-256 model over 14 ids: a training step 2-4% faster.
 
 The GEMMs by the weights run in torch (MKL) or, as ``trainer.cpu_gemm`` picks, in oneDNN
-(``miles_wire.cpu_gemm.trainable_linear``: forward and input gradient; AMD CPUs, layers of >= 512k
+(``miles_fastpath.cpu_gemm.trainable_linear``: forward and input gradient; AMD CPUs, layers of >= 512k
 weights): a 6-layer hidden-256 model's GRPO step 1.19x faster on an AMD EPYC host (the
 log-probs then round as oneDNN's GEMMs do, within the tests' tolerance of HF's forward).
 
@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from miles_wire import cpu_gemm
-from miles_wire.llama import llama_layout_problem
+from miles_fastpath import cpu_gemm
+from miles_fastpath.llama import llama_layout_problem
+from miles_fastpath.ops import rms_norm as _rms
 
 TABLE_SHARE = 0.5  # layer 0's q|k|v tabled per token id when the vocabulary is at most this share of the tokens
 
@@ -61,18 +62,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return llama_layout_problem(model, SUPPORTED)
 
 
-def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    # HF's op order (the casts are no-ops in fp32)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
-
-
 class _Plan:
     """One batch's bookkeeping: the flat token layout, the RoPE tables and the attention masks."""
 
     def __init__(self, model: torch.nn.Module, batch: Any, runs: list[int], rep: int, gemm: str):
-        # the GEMMs by the weights: torch's (MKL) or oneDNN's (``miles_wire.cpu_gemm``)
+        # the GEMMs by the weights: torch's (MKL) or oneDNN's (``miles_fastpath.cpu_gemm``)
         self.linear = cpu_gemm.trainable_linear if gemm == "onednn" else F.linear
         ids, pos = batch.input_ids, batch.position_ids
         self.P, L = batch.prompt_len, ids.shape[1]
@@ -170,7 +164,7 @@ def _layer(plan: _Plan, layer: Any, x: torch.Tensor, heads: int, kv_heads: int, 
 def response_logits(model: torch.nn.Module, batch: Any, runs: list[int], gemm: str = "mkl") -> torch.Tensor:
     """``[B, R, V]`` logits predicting each response token; ``runs``: lengths of the runs of
     consecutive rows sharing a prompt (all 1: every row runs its own prompt); ``gemm``: ``mkl``
-    (torch's own GEMMs) or ``onednn`` (``miles_wire.cpu_gemm``)."""
+    (torch's own GEMMs) or ``onednn`` (``miles_fastpath.cpu_gemm``)."""
     inner, cfg = model.model, model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

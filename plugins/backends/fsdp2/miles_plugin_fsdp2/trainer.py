@@ -14,12 +14,14 @@ import functools
 import inspect
 import itertools
 import math
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
-from miles_wire import cpu_gemm
+from miles_fastpath.schedule import lr_lambda
+from miles_fastpath import cpu_gemm
 
 from miles import Batch, MilesError
+from miles.protocols import ScoresActions
 
 from . import dist as dist_
 from . import fast
@@ -115,20 +117,8 @@ def _group_size(batch: Batch) -> int:
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
-    # transformers 5.24 renamed past_key_values -> cache; 5.17 (the GPU box) has only the old name
+    # transformers 5.24 renamed past_key_values -> cache; 5.17 has only the old name
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _lr_lambda(cfg: FSDP2Config, total: int) -> Callable[[int], float]:
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant" or total <= cfg.warmup_steps:
-            return 1.0
-        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
-    return f
 
 
 class FSDP2Trainer:
@@ -155,7 +145,7 @@ class FSDP2Trainer:
         # fused AdamW is one kernel per step instead of several per parameter (CPU and CUDA)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _lr_lambda(cfg, total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg, total_steps))
         self.gemm = (cpu_gemm.for_model("trainer.cpu_gemm", cfg.cpu_gemm, self.model)
                      if self.device.type == "cpu" else "mkl")
         self.workers = self._workers()
@@ -164,14 +154,23 @@ class FSDP2Trainer:
         # log-probs agree bit for bit
         self.response_logprobs = (functools.partial(response_logprobs, gemm=self.gemm) if self.workers is None
                                   else functools.partial(split_logprobs, w=self.workers, gemm=self.gemm))
+        if isinstance(spec, ScoresActions):
+            self.response_logprobs = spec.action_logprobs
 
     def _workers(self) -> workers.Workers | None:
         """World size 1 on CPU with several intra-op threads: worker threads split the rows."""
         threads = torch.get_num_threads()
         k = self.cfg.cpu_workers or min(threads, 8)
-        if self.device.type != "cpu" or self.sharded or k < 2:
+        if self.device.type != "cpu" or self.sharded or k < 2 or isinstance(self.spec, ScoresActions):
             return None
         return workers.Workers(k, max(1, threads // k))
+
+    def _score(self, model: torch.nn.Module, batch: Batch, shared: bool | None = None) -> torch.Tensor:
+        """Log-probs ``[B, R]`` of the batch's actions: the model spec's own routine when its model
+        is not a causal LM (``ScoresActions``, e.g. a diffusion transformer's denoising steps)."""
+        if isinstance(self.spec, ScoresActions):
+            return self.spec.action_logprobs(model, batch)
+        return response_logprobs(model, batch, shared, self.gemm)
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
@@ -244,15 +243,15 @@ class FSDP2Trainer:
         if self.world_size == 1:
             size = self.cfg.micro_batch_size or len(batch)
             out = torch.cat([split_logprobs(model, mb, self.workers, self.gemm) if self.workers is not None
-                             else response_logprobs(model, self._to(mb), gemm=self.gemm).cpu()
+                             else self._score(model, self._to(mb)).cpu()
                              for mb in batch.split(size)])
             self.reshard()
             return out
         plan, counts = self._plan(batch)
         parts = [lp for mb, real, shared in plan
-                 for lp in [response_logprobs(model, self._to(mb), shared, self.gemm)] if real]
+                 for lp in [self._score(model, self._to(mb), shared)] if real]
         self.reshard()
-        R = batch.input_ids.shape[1] - batch.prompt_len
+        R = batch.loss_mask.shape[1]
         local = torch.cat(parts) if parts else torch.zeros(0, R, device=self.device)
         return dist_.gather_rows(local, counts).cpu()
 
@@ -265,7 +264,7 @@ class FSDP2Trainer:
                 fn = lambda b: response_logprobs(self.model, b, gemm=self.gemm)  # noqa: E731
                 loss, metrics = workers.train(fn, self.model, mb, _runs(mb), self.workers, loss_fn)
             else:
-                lp = response_logprobs(self.model, mb, shared, self.gemm)
+                lp = self._score(self.model, mb, shared)
                 if not real:
                     (lp * 0).sum().backward()  # joins the ranks' gradient reduce-scatter, adds nothing
                     continue
@@ -413,4 +412,5 @@ def _move(batch: Batch, device: torch.device) -> Batch:
 
     moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
              if isinstance(getattr(batch, f.name), torch.Tensor)}
-    return replace(batch, **moved)
+    extras = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.extras.items()}
+    return replace(batch, **moved, extras=extras)

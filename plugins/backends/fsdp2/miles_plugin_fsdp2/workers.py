@@ -15,32 +15,11 @@ fixed order, so a step is deterministic.
 from __future__ import annotations
 
 import itertools
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
-
 from miles import Batch
-
-_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
-_lock = threading.Lock()
-os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the threads
-
-
-def _pool(k: int, threads: int) -> ThreadPoolExecutor:
-    """``k`` threads with ``threads`` intra-op threads each (a thread-local setting: the caller
-    keeps its own count), shared by every trainer of the process."""
-    with _lock:
-        if (k, threads) not in _pools:
-            prev = torch.get_num_threads()
-            pool = ThreadPoolExecutor(k, thread_name_prefix="miles-cpu-worker",
-                                      initializer=torch.set_num_threads, initargs=(threads,))
-            list(pool.map(lambda _: torch.get_num_threads(), range(k)))  # start them all now
-            torch.set_num_threads(prev)  # the initializer also set the default of threads to come
-            _pools[k, threads] = pool
-        return _pools[k, threads]
+from miles_fastpath.threads import pool
 
 
 class Workers:
@@ -48,7 +27,7 @@ class Workers:
 
     def __init__(self, k: int, threads: int = 1):
         self.k, self.threads = k, threads
-        self.pool = _pool(k, threads)
+        self.pool = pool(k, "trainer", threads)  # shared by every trainer of the process
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on one worker."""

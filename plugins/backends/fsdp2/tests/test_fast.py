@@ -5,7 +5,7 @@ from miles import Batch, Sample, Task
 from miles.testing import char_tokenizer
 from miles_plugin_fsdp2 import fast
 from miles_plugin_fsdp2.trainer import _full_logits, _runs, _shared_prompt_logits
-from miles_wire import cpu_gemm
+from miles_fastpath import cpu_gemm
 
 GEMMS = ["mkl"] + ["onednn"] * cpu_gemm.onednn_available()  # oneDNN where this torch build has it
 

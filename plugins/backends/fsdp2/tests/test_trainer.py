@@ -4,7 +4,8 @@ import torch
 from miles import Batch, Sample, Task
 from miles.testing import TinySpec, char_tokenizer
 from miles_plugin_fsdp2.config import FSDP2Config
-from miles_plugin_fsdp2.trainer import FSDP2Trainer, _lr_lambda
+from miles_fastpath.schedule import lr_lambda as _lr_lambda
+from miles_plugin_fsdp2.trainer import FSDP2Trainer
 
 
 def _batch(n=6):
@@ -115,7 +116,7 @@ def test_cpu_gemm_choice_reaches_every_forward(monkeypatch):
     choice is what train_step, logprobs and the true on-policy scorer run; oneDNN where torch has
     none is an error naming the key."""
     from miles import MilesError
-    from miles_wire import cpu_gemm
+    from miles_fastpath import cpu_gemm
 
     monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "GenuineIntel")
     assert _trainer().gemm == "mkl"

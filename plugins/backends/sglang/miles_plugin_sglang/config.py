@@ -9,6 +9,9 @@ class SGLangEngineConfig(pydantic.BaseModel, extra="forbid"):
     urls: list[str] = Field(
         ..., min_length=1, description="base URLs of the servers (SGLang's launch_server or `miles "
         "serve`), e.g. [http://127.0.0.1:30000]; requests are spread over them")
+    urls_file: Optional[str] = Field(
+        None, description="a JSON list of the servers' current URLs (same order as urls) that a launcher "
+        "rewrites when a restarted server comes back at another address; read when a server is down")
     api_key: Optional[str] = Field(
         None, description="sent as 'Authorization: Bearer KEY' (SGLang's --api-key); unset: read "
         "from the environment variable named by api_key_env")

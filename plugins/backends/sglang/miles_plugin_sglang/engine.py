@@ -21,9 +21,11 @@ import time
 from typing import Any, Iterable, Sequence
 
 from miles import Completion, MilesError, SamplingParams
+from miles.protocols import RecordsRouting
 
 from .config import SGLangEngineConfig
 from .router import Router, Server, int_version
+from .routing import attach, join_routed
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
@@ -33,9 +35,13 @@ class SGLangEngine:
 
     remote = True  # transports must move weights through the update_weights_* methods
     accepts_buckets = False  # set by init_weights_update_group: every server is `miles serve`
+    routed_experts = False  # ask /generate for return_routed_experts (an MoE spec with routing replay)
 
-    def __init__(self, cfg: SGLangEngineConfig, *, tokenizer: Any = None, seed: int = 0, **_: Any):
+    def __init__(self, cfg: SGLangEngineConfig, *, tokenizer: Any = None, seed: int = 0, spec: Any = None,
+                 **_: Any):
         self.cfg = cfg
+        # an MoE spec with routing replay: ask the servers for the experts each token went to
+        self.routed_experts = isinstance(spec, RecordsRouting)
         self.tokenizer = tokenizer
         self.sampling_params: SamplingParams | None = None
         self.seed = seed
@@ -65,7 +71,8 @@ class SGLangEngine:
     async def _make_router(self, api_key: str | None) -> Router:
         c = self.cfg
         return Router(c.urls, api_key=api_key, timeout_s=c.timeout_s, max_retries=c.max_retries,
-                      max_concurrency=c.max_concurrency, restart_wait_s=c.restart_wait_s)
+                      max_concurrency=c.max_concurrency, restart_wait_s=c.restart_wait_s,
+                      urls_file=c.urls_file)
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -144,6 +151,8 @@ class SGLangEngine:
             await self._generating.wait()
         pauses = self._pauses
         body = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True}
+        if self.routed_experts:
+            body["return_routed_experts"] = True
         data, _ = await self.router.post("/generate", body)
         return (data if isinstance(data, list) else [data]), pauses
 
@@ -165,7 +174,9 @@ class SGLangEngine:
                 sampling.append(one)
             outs, pauses = await self._post([p + c.token_ids for p, c, _ in todo], sampling)
             for (_, c, _), out in zip(todo, outs):
-                _join(c, self._completion(out))
+                rest = self._completion(out)
+                join_routed(c, rest, len(c.token_ids))
+                _join(c, rest)
             paused_meanwhile = pauses != self._pauses
             todo = [piece for piece in todo if piece[1].finish_reason == "abort" and paused_meanwhile]
 
@@ -178,7 +189,7 @@ class SGLangEngine:
         finish = (meta.get("finish_reason") or {}).get("type") or "length"
         version = int_version(meta.get("weight_version"))
         version = self.weight_version if version is None else version
-        return Completion(ids, [float(p[0]) for p in pairs], finish, version, [version])
+        return attach(Completion(ids, [float(p[0]) for p in pairs], finish, version, [version]), meta)
 
     # -- weights ---------------------------------------------------------------------------------
     @property
@@ -289,6 +300,29 @@ class SGLangEngine:
                 raise MilesError(f"servers disagree on weights: {live[0].url} and {s.url} differ on "
                                  f"{differ[0]} ({len(differ)} tensor(s))")
         return sums[0] if sums else {}
+
+    def p2p_open(self, tensors: Sequence[dict], transport: str = "tcp") -> list[dict]:
+        """``POST /p2p/open`` (the torch server's extension for the ``p2p`` transport) on every
+        live server: each one's transfer endpoint (agent, targets, session), with its ``url``."""
+        self._run(self.router.await_healthy(every=False))
+        live = [s for s in self.router.servers if s.healthy]
+        body = {"tensors": list(tensors), "transport": transport}
+        answers = self._run(self.router.broadcast("POST", "/p2p/open", [body] * len(live), live, skip_down=True))
+        return [{**a, "url": s.url} for s, a in zip(live, answers) if isinstance(a, dict)]
+
+    def p2p_commit(self, weight_version: Any, sessions: Sequence[str]) -> list:
+        """``POST /p2p/commit`` on every live server once the trainer's writes are in; a server
+        that took no part in them (down meanwhile, restarted) stays out until re-synced."""
+        live = [s for s in self.router.servers if s.healthy]
+        body = {"weight_version": weight_version, "sessions": list(sessions)}
+        answers = self._run(self.router.broadcast("POST", "/p2p/commit", [body] * len(live), live, skip_down=True))
+        done = [s for s, a in zip(live, answers) if isinstance(a, dict) and a.get("committed")]
+        for s in self.router.servers:
+            s.stale = s not in done
+            s.restarted = s.restarted and s.stale
+        self.router.weights_pushed = True
+        self._set_version(weight_version, done)
+        return answers
 
     def _update(self, path: str, body: dict, weight_version: Any, live_only: bool) -> list:
         """``path`` on every server (``live_only``: every live one, waiting for one to be back if

@@ -7,8 +7,10 @@ left out) inside the engine process, so no extra process is needed. Runs on one 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +30,8 @@ class Server:
     stale: bool = field(default=False)  # missed a weight update: kept out until the next one
     restarted: bool = False  # came back after being unreachable: its weights are not ours
     restarts: int = 0  # times that happened (a transport's process group must then be rebuilt)
+    inflight: set = field(default_factory=set)  # its requests' tasks, while they are awaited
+    abandoned: set = field(default_factory=set)  # those cancelled because the server moved away
 
 
 class RetryableError(Exception):
@@ -42,8 +46,9 @@ class RetryableError(Exception):
 
 class Router:
     def __init__(self, urls: list[str], *, api_key: str | None, timeout_s: float, max_retries: int,
-                 max_concurrency: int, restart_wait_s: float = 0.0):
+                 max_concurrency: int, restart_wait_s: float = 0.0, urls_file: str | None = None):
         self.servers = [Server(u) for u in urls]
+        self.urls_file = urls_file
         self.restart_wait_s = restart_wait_s
         self.weights_pushed = False  # after the first update, a server that comes back is stale
         self.max_retries = max_retries
@@ -73,13 +78,22 @@ class Router:
         """One request to one server: its JSON answer (or text). ``RetryableError`` when the
         server failed, ``MilesError`` when it rejected the request (4xx)."""
         server.outstanding += 1
+        url = server.url
+        req = asyncio.ensure_future(self._client.request(method, url + path, json=body, headers=self._headers,
+                                                         timeout=timeout or self.timeout_s))
+        server.inflight.add(req)
         try:
-            r = await self._client.request(method, server.url + path, json=body, headers=self._headers,
-                                           timeout=timeout or self.timeout_s)
+            r = await req
+        except asyncio.CancelledError:
+            if req not in server.abandoned:
+                raise
+            raise RetryableError(f"{url}{path}: the server moved to {server.url}", down=False) from None
         except httpx.TransportError as e:
-            raise RetryableError(f"{server.url}{path}: {type(e).__name__}: {e}", down=True) from e
+            raise RetryableError(f"{url}{path}: {type(e).__name__}: {e}", down=True) from e
         finally:
             server.outstanding -= 1
+            server.inflight.discard(req)
+            server.abandoned.discard(req)
         if r.status_code >= 500:
             raise RetryableError(f"{server.url}{path}: HTTP {r.status_code}: {_message(r)}", down=False)
         if r.status_code == 401:
@@ -164,6 +178,8 @@ class Router:
     # -- health ----------------------------------------------------------------------------------
     async def probe(self, server: Server) -> bool:
         """``GET /get_weight_version``: cheap on SGLang (its ``/health`` runs a generation)."""
+        if not server.healthy:
+            self._follow(server)
         held = server.weight_version
         try:
             r = await self._client.get(server.url + "/get_weight_version", headers=self._headers,
@@ -183,6 +199,22 @@ class Router:
                 server.restarts += 1
         server.healthy = ok
         return ok
+
+    def _follow(self, server: Server) -> None:
+        """A server that is down may have come back elsewhere: take its address from ``urls_file``."""
+        if not self.urls_file:
+            return
+        try:
+            urls = json.loads(Path(self.urls_file).read_text())
+            url = str(urls[self.servers.index(server)]).rstrip("/")
+        except (OSError, ValueError, IndexError, TypeError):
+            return  # not written yet, or mid-replace: keep the known address until the next probe
+        if url != server.url:
+            print(f"miles sglang: {server.url} moved to {url}", file=sys.stderr)
+            server.url = url
+            for req in list(server.inflight):  # whatever now holds the old address will not answer them
+                server.abandoned.add(req)
+                req.cancel()
 
     async def probe_all(self) -> list[bool]:
         return list(await asyncio.gather(*(self.probe(s) for s in self.servers)))

@@ -102,9 +102,12 @@ class FastGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
                  gen: torch.Generator, stop_ids: Sequence[int], version: int,
-                 interrupt: threading.Event | None = None) -> list[list[Completion]]:
+                 interrupt: threading.Event | None = None,
+                 dropped: set[int] | None = None) -> list[list[Completion]]:
         """``n`` completions per prompt; once ``interrupt`` is set, before the next decode step,
-        unfinished samples end with finish_reason "abort" (and what they have so far)."""
+        unfinished samples end with finish_reason "abort" (and what they have so far). Prompt
+        indices put into ``dropped`` (from another thread: their clients left) leave the batch
+        before the next decode step, the other rows going on."""
         steps = params.max_new_tokens
         if steps <= 0:
             return [[Completion([], [], "length", version) for _ in range(n)] for _ in prompts]
@@ -122,6 +125,8 @@ class FastGenerator:
             if interrupt is not None and interrupt.is_set():
                 self._abort(queue, live, t)
                 break
+            if dropped:
+                live = self._drop(dropped, queue, live, t)
             check = t % self.sync_every == 0
             while True:  # until nothing leaves and nothing joins: a group can stop at its first token
                 live = self._retire_finished(live, t, check)
@@ -144,6 +149,17 @@ class FastGenerator:
             done = torch.nonzero(self.rows.done[:live]).flatten().tolist()
             full = sorted(set(full) | set(done))
         return self._retire(full, live, t) if full else live
+
+    def _drop(self, dropped: set[int], queue: deque, live: int, t: int) -> int:
+        """Retire the live rows of the prompts in ``dropped`` with what they have, and take their
+        waiting groups out of the queue (answered empty, finish_reason "abort")."""
+        gone = set(dropped)
+        for i, first, count in [g for g in queue if g[0] in gone]:
+            queue.remove((i, first, count))
+            for j in range(first, first + count):
+                self.out[i][j] = Completion([], [], "abort", self.version)
+        rows = [row for row in range(live) if self.rows.owner[row][0] in gone]
+        return self._retire(rows, live, t) if rows else live
 
     def _abort(self, queue: deque, live: int, t: int) -> None:
         """Interrupted: live rows answer with what they have (abort, unless they had finished),

@@ -2,13 +2,24 @@
 from typing import Literal, Optional
 
 import pydantic
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 
 class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
-    device: str = Field("cpu", description='"cpu", "cuda", "cuda:N", or "auto" (cuda when available)')
+    device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:\d+)?)$",
+                        description='"cpu", "cuda", "cuda:N", or "auto" (cuda when available)')
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the engine's model weights and KV cache")
+    weights_dtype: Literal["model", "fp8"] = Field(
+        "model", description='"fp8": linear layers (not the output head) and 3-D MoE expert weights '
+        '(per expert) hold blockwise 128x128 float8_e4m3fn weights with a weight_scale_inv per block, '
+        'quantized from the trainer\'s weights at every sync (pair with algorithm.tis_cap); '
+        'runs the model\'s own forward; "model": the engine.dtype weights')
+    fp8_gemm: Literal["auto", "scaled_mm", "dequantized"] = Field(
+        "auto", description='with weights_dtype fp8: "scaled_mm" runs FP8 GEMMs (torch._scaled_mm; '
+        'activations quantized per token and 128-column group), "dequantized" multiplies by the weights '
+        'dequantized to engine.dtype (weight-only FP8); auto: scaled_mm on CPU and on CUDA GPUs of '
+        'compute capability >= 8.9, else dequantized')
     max_batch_size: int = Field(
         1024, ge=1, description="max sequences decoded in one forward; larger requests are chunked")
     impl: Literal["auto", "fast", "hf"] = Field(
@@ -32,3 +43,20 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
         "auto: oneDNN on AMD CPUs where torch has it for decoder layers of >= 512k weights, else MKL")
     prefill_tokens: int = Field(
         16384, ge=1, description="fast path: max (padded) prompt tokens prefilled in one forward")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v.startswith("cuda"):  # checked before any model is built; torch only imported here
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"{v!r} needs a CUDA GPU, and torch sees none here; use cpu or auto")
+        return v
+
+    @model_validator(mode="after")
+    def _fp8_runs_the_models_forward(self):
+        if self.weights_dtype == "fp8" and self.impl == "fast":
+            raise ValueError("engine.weights_dtype=fp8 runs the model's own forward (its FP8 linear "
+                             "layers); set engine.impl=auto or hf")
+        return self

@@ -8,7 +8,7 @@ latter. So a layer here is about 30 kernels, each in HF's own op order:
 - RMSNorm is HF's float32 composite as seven kernels (bit-identical, checked once per width);
   q|k|v and gate|up are one GEMM each on engine-owned concatenated weights (made at every
   ``generate``, since the weights may have been replaced), in the GEMM library ``engine.cpu_gemm``
-  picks (``miles_wire.cpu_gemm``): in oneDNN (AMD CPUs, layers of >= 512k weights) packed for
+  picks (``miles_fastpath.cpu_gemm``): in oneDNN (AMD CPUs, layers of >= 512k weights) packed for
   it, with the residual adds inside the o/down GEMMs; in MKL packed on Intel CPUs for layers too
   big for L2, else stored ``[in, out]`` with those adds inside ``addmm`` (bit-identical to the
   separate add); see :class:`_Weight`.
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from miles_wire import cpu_gemm
+from miles_fastpath import cpu_gemm
 
 from . import cpu_workers
 from .batching import FastGenerator
@@ -86,7 +86,7 @@ PACK_ELEMENTS = 1 << 19
 
 
 def layout(gemm: str, elements: int) -> str:
-    """How a layer of ``elements`` weights is held for ``gemm`` (``miles_wire.cpu_gemm.resolve``'s
+    """How a layer of ``elements`` weights is held for ``gemm`` (``miles_fastpath.cpu_gemm.resolve``'s
     answer): ``onednn`` (packed for oneDNN), ``mkl_packed`` or ``in_out``."""
     if gemm == "onednn":
         return "onednn"
@@ -219,7 +219,7 @@ class CpuForward:
     every ``generate``."""
 
     def __init__(self, fwd: LlamaFamilyForward, gemm: str = "mkl"):
-        self.fwd, self.gemm = fwd, gemm  # gemm: "mkl" or "onednn" (``miles_wire.cpu_gemm.resolve``)
+        self.fwd, self.gemm = fwd, gemm  # gemm: "mkl" or "onednn" (``miles_fastpath.cpu_gemm.resolve``)
         self.layers: list[_Layer] = []
         self.min_slice_rows = 8  # rows a worker needs for a split decode step (set in ``prepare``)
 

@@ -12,36 +12,8 @@ threads spin for milliseconds, on the cores the workers need (that alone cost 0.
 """
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
-import torch
-
-_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
-_lock = threading.Lock()
-os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the threads
-
-
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-    torch.get_num_threads()  # a thread takes the default count at its first parallel query: now
-
-
-def pool(k: int, role: str = "workers") -> ThreadPoolExecutor:
-    """``k`` threads of one intra-op thread each, one pool per ``role`` and size per process.
-    ``torch.set_num_threads`` is per thread, but also sets the default that a thread takes at its
-    first use of torch: all ``k`` start and take 1 here (a barrier holds each first task on its own
-    thread), then the caller's count, and the default, are set back."""
-    with _lock:
-        if (role, k) not in _pools:
-            prev = torch.get_num_threads()
-            workers = ThreadPoolExecutor(k, thread_name_prefix=f"miles-engine-{role}", initializer=_one_thread)
-            start = threading.Barrier(k)
-            list(workers.map(lambda _: start.wait(), range(k)))
-            torch.set_num_threads(prev)
-            _pools[role, k] = workers
-        return _pools[role, k]
+# the process-wide pool registry is shared with the fsdp2 trainer's workers (``pool(k, role)``)
+from miles_fastpath.threads import pool  # noqa: F401
 
 
 def slices(rows: int, k: int) -> list[tuple[int, int]]:

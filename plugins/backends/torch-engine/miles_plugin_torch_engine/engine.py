@@ -6,7 +6,7 @@ import threading
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
-from miles import Completion, SamplingParams
+from miles import Completion, MilesError, SamplingParams
 
 from .config import TorchEngineConfig
 from .weights import WeightReceiver
@@ -89,21 +89,43 @@ class TorchEngine(WeightReceiver):
         # set from another thread (the server's abort): generate() returns before its next decode
         # step; unfinished samples answer with finish_reason "abort" and the tokens they have
         self.interrupt = threading.Event()
+        # prompt indices of the running generate() to leave out from the next decode step on (the
+        # server's scheduler adds those whose clients all left); the fast path reads it
+        self.dropped: set[int] = set()
         # transformers 5.24 renamed past_key_values -> cache (the old name warns and goes in 5.40);
         # older releases only know past_key_values. The output attribute follows the same name.
         sig = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in sig else "past_key_values"
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
+        self._fp8 = None  # engine.weights_dtype fp8: linear weights blockwise e4m3 (fp8.py)
+        if cfg.weights_dtype == "fp8":
+            from .fp8 import FP8Weights, convert, scaled_mm_supported
+
+            gemm = cfg.fp8_gemm
+            if gemm == "auto":
+                gemm = "scaled_mm" if scaled_mm_supported(self.device) else "dequantized"
+            elif gemm == "scaled_mm" and not scaled_mm_supported(self.device):
+                raise MilesError(f"engine.fp8_gemm=scaled_mm needs FP8 GEMMs (torch._scaled_mm on CPU, or a "
+                                 f"CUDA GPU of compute capability >= 8.9); {self.device} has none: use auto")
+            self._fp8 = FP8Weights(convert(self.model, gemm))
         self._targets = dict(self.model.named_parameters(remove_duplicate=False))
         self._targets.update(self.model.named_buffers(remove_duplicate=False))
         # Llama-family models on CUDA or CPU float32 (or engine.impl=fast) take the fast path (batching.py)
         from .batching import select_fast_path
 
-        self._fast = select_fast_path(cfg, self.model, self.device)
+        self._fast = select_fast_path(cfg, self.model, self.device) if self._fp8 is None else None
+        # an MoE spec with routing replay: completions carry the experts each token was routed to
+        from .routing import RoutingLog
+
+        self._routing = RoutingLog.for_spec(spec, self.model)
+        if self._routing is not None and self._fast is not None:
+            raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self._fp8 is not None:
+            named_tensors = self._fp8.divert(named_tensors)
         for name, tensor in named_tensors:
             dst = self._targets.get(name)
             if dst is None:
@@ -126,11 +148,15 @@ class TorchEngine(WeightReceiver):
         stop = set(params.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         if self._fast is not None:
             return self._fast.generate(prompts, params, n, gen, sorted(stop), self.weight_version,
-                                       self.interrupt)
+                                       self.interrupt, self.dropped)
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         out: list[list[Completion]] = [[] for _ in prompts]
         for idx, reps in self._chunks(len(prompts), n):
-            comps = self._generate_chunk([prompts[i] for i in idx], reps, params, gen, stop_t)
+            chunk = [prompts[i] for i in idx]
+            if self._routing is None:
+                comps = self._generate_chunk(chunk, reps, params, gen, stop_t)
+            else:
+                comps = self._routing.run(self._generate_chunk, chunk, reps, params, gen, stop_t)
             for j, i in enumerate(idx):
                 out[i].extend(comps[j * reps:(j + 1) * reps])
         return out

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from miles_wire.llama import llama_layout_problem
+from miles_fastpath.llama import llama_layout_problem
+from miles_fastpath.ops import rms_norm as _rms
 
 from . import triton_ops
 
@@ -36,14 +37,6 @@ SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mistra
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the fast path cannot run ``model`` exactly as its own forward would (None: it can)."""
     return llama_layout_problem(model, SUPPORTED)
-
-
-def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    # HF's Llama/Qwen2 op order, so half-precision rounding matches the trainer's forward
-    # (F.rms_norm is no faster on CPU: there it is a composite of the same steps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,11 +113,19 @@ class LlamaFamilyForward:
         else:
             torch.cat(parts, out=fused[key])
 
+    KEEP_BYTES = 256 << 20  # a KV cache above this is sized to each request, not to the largest seen
+
     def allocate(self, slots: int, max_len: int) -> None:
         """The KV cache (``slots`` rows of ``max_len`` positions) and the RoPE table, once."""
+        per_pos = 2 * len(self.inner.layers) * self.kv_heads * self.head_dim * self.dtype.itemsize
         if self.k_cache is not None and slots <= self.slots and max_len <= self.max_len:
-            return
-        slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
+            have = self.slots * self.max_len
+            # kept unless it is large and mostly idle: one long request must not pin its cache
+            if have * per_pos <= self.KEEP_BYTES or have <= 4 * slots * max_len:
+                return
+        elif self.k_cache is not None and (max(slots, self.slots) * max(max_len, self.max_len) * per_pos
+                                           <= self.KEEP_BYTES):
+            slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
         self.k_cache = self.v_cache = None  # free the old cache before taking the new one
         shape = (len(self.inner.layers), slots, self.kv_heads, max_len, self.head_dim)
         if self.device.type == "cpu" and max_len >= DIM_MAJOR_KEYS:  # see cpu_decode; seen through a view

@@ -28,7 +28,7 @@ class SamplingBody(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1)
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)  # a torch.Generator seed
     ignore_eos: bool = False
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -106,8 +106,7 @@ class GenerateBody(BaseModel):
         if (self.input_ids is None) == (self.text is None):
             raise ValueError("give exactly one of input_ids (token ids) or text")
         bad = [name for name, ok in (
-            ("stream=true", not self.stream), ("return_routed_experts=true", not self.return_routed_experts),
-            ("lora_path", self.lora_path is None),
+            ("stream=true", not self.stream), ("lora_path", self.lora_path is None),
             ("logprob_start_len (prompt log-probs)", self.logprob_start_len in (None, -1)),
             ("top_logprobs_num", not self.top_logprobs_num)) if not ok]
         if bad:
@@ -131,7 +130,11 @@ class GenerateBody(BaseModel):
     def prompts(self, tokenizer: Any) -> list[list[int]]:
         if self.text is not None:
             texts = [self.text] if isinstance(self.text, str) else self.text
-            return [list(tokenizer.encode(t)) for t in texts]
+            try:
+                return [list(tokenizer.encode(t)) for t in texts]
+            except Exception as e:  # noqa: BLE001 - characters the tokenizer cannot encode
+                raise ValueError(f"text: the tokenizer cannot encode it ({type(e).__name__}: "
+                                 f"{str(e)[:200]})") from None
         return [list(self.input_ids)] if self.single else [list(p) for p in self.input_ids]
 
     def sampling(self, batch: int) -> list[tuple[SamplingParams, int]]:
@@ -143,6 +146,12 @@ class GenerateBody(BaseModel):
             return [(s.to_params(), s.n) for s in sp]
         sp = sp or SamplingBody()
         return [(sp.to_params(), sp.n)] * batch
+
+    def explicit_lengths(self, batch: int) -> list[bool]:
+        """Per prompt: whether the client set ``max_new_tokens`` (else SGLang's default 128)."""
+        sp = self.sampling_params
+        rows = sp if isinstance(sp, list) else [sp] * batch
+        return [s is not None and "max_new_tokens" in s.model_fields_set for s in rows]
 
     def request_id(self) -> str:
         return self.rid or uuid.uuid4().hex

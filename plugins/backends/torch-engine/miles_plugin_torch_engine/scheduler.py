@@ -39,6 +39,7 @@ class Request:
     future: asyncio.Future
     seeded: bool = False  # a seeded request is never merged with another one (its draws are its own)
     aborted: str | None = None
+    cancelled: bool = False  # its client went away
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any = None,
@@ -69,12 +70,17 @@ class Scheduler:
         self.engine = engine
         self._cv = threading.Condition()
         self._pending: list[Request] = []
+        self._running: list[Request] = []  # the batch on the engine now
         self._jobs: collections.deque = collections.deque()
         self._paused = False
         self._stopped = False
         self._interrupt = getattr(engine, "interrupt", None)  # a threading.Event generate() checks
+        self._dropped = getattr(engine, "dropped", None)  # a set of prompt indices generate() leaves out
+        self._call: list[list[Request]] = []  # the requests behind each prompt of the engine call now
+        # num_cancelled: requests whose client went away; cancelled_tokens: tokens the engine
+        # generated for them anyway (what a disconnect cost: it stays far below max_new_tokens)
         self.stats = {"num_requests": 0, "num_batches": 0, "num_engine_calls": 0,
-                      "num_aborted": 0, "num_running": 0}
+                      "num_aborted": 0, "num_running": 0, "num_cancelled": 0, "cancelled_tokens": 0}
         self._thread = threading.Thread(target=self._run, name="miles-engine", daemon=True)
         self._thread.start()
 
@@ -102,11 +108,26 @@ class Scheduler:
             self._cv.notify()
         return future
 
-    def discard(self, request: Request) -> None:
-        """Forget a queued request whose client went away (no-op once it runs)."""
+    def cancel(self, request: Request) -> None:
+        """The client of ``request`` went away: drop it if queued; if it runs and every request
+        of the running batch is cancelled, cut the batch short (the engine's ``interrupt``); in a
+        batch with live requests its prompts leave the engine call (the engine's ``dropped``, when
+        no live request shares them), and its sampling-parameter group is skipped if not started."""
         with self._cv:
+            if request.cancelled:
+                return
+            request.cancelled = True
+            self.stats["num_cancelled"] += 1
             if request in self._pending:
                 self._pending.remove(request)
+                self.stats["num_aborted"] += 1
+            elif (request in self._running and self._interrupt is not None
+                  and all(r.cancelled for r in self._running)):
+                self._interrupt.set()
+                self.stats["num_aborted"] += len(self._running)
+            elif self._dropped is not None:  # its prompts leave the engine call if no live request shares them
+                self._dropped.update(i for i, owners in enumerate(self._call)
+                                     if request in owners and all(r.cancelled for r in owners))
 
     def pause(self) -> None:
         with self._cv:
@@ -171,6 +192,7 @@ class Scheduler:
                 batch: list[Request] = []
                 if job is None:
                     batch, self._pending = self._pending, []
+                    self._running = batch
                     if self._interrupt is not None:
                         self._interrupt.clear()
                     self.stats["num_running"] = len(batch)
@@ -181,19 +203,30 @@ class Scheduler:
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
                     _resolve(loop, future, error=e)
             else:
-                self._run_batch(batch)
+                try:
+                    self._run_batch(batch)
+                finally:
+                    with self._cv:
+                        self._running = []
 
     def _run_batch(self, batch: list[Request]) -> None:
         self.stats["num_batches"] += 1
         failed: dict[int, BaseException] = {}
         for params, items in self._by_params(batch):
+            # requests whose client left while an earlier group ran: no engine call for them
+            items = [(item, owner) for item, owner in items if not owner.cancelled]
+            if not items:
+                continue
             try:
                 self._generate(params, items)
             except Exception as e:  # noqa: BLE001 - one bad group must not fail the others
-                for item, owner in items:
+                for _item, owner in items:
                     failed[id(owner)] = e
         self.stats["num_running"] = 0
         for r in batch:
+            if r.cancelled:
+                self.stats["cancelled_tokens"] += sum(len(c.token_ids) for item in r.items
+                                                      for c in item.completions)
             if id(r) in failed:
                 _resolve(r.loop, r.future, error=failed[id(r)])
             else:
@@ -216,13 +249,23 @@ class Scheduler:
         prefill; ``engine.generate`` takes one ``n`` for all its prompts, so a prompt that wants
         ``k`` samples is passed ``k / g`` times with ``n = g``, ``g`` the gcd of all the ``k``."""
         wanted: dict[tuple[int, ...], list[Item]] = {}
-        for item, _ in items:
+        requests: dict[tuple[int, ...], list[Request]] = {}
+        for item, owner in items:
             wanted.setdefault(item.prompt, []).append(item)
+            requests.setdefault(item.prompt, []).append(owner)
         counts = {prompt: sum(o.n for o in owners) for prompt, owners in wanted.items()}
         g = math.gcd(*counts.values())
         prompts = [prompt for prompt, k in counts.items() for _ in range(k // g)]
         self.stats["num_engine_calls"] += 1
-        outs = self.engine.generate([list(p) for p in prompts], params, n=g)
+        with self._cv:
+            self._call = [requests[p] for p in prompts]
+            if self._dropped is not None:
+                self._dropped.clear()
+        try:
+            outs = self.engine.generate([list(p) for p in prompts], params, n=g)
+        finally:
+            with self._cv:
+                self._call = []
         samples: dict[tuple[int, ...], list[Completion]] = {}
         for prompt, comps in zip(prompts, outs):
             samples.setdefault(prompt, []).extend(comps)

@@ -15,6 +15,7 @@ import gc
 import hmac
 import inspect
 import json
+import os
 import signal
 import socket
 import time
@@ -27,7 +28,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from miles import MilesError, SamplingParams
 from pydantic import ValidationError
 
+from .guard import DEFAULT_MAX_BODY_MB, Guard
+from .limits import GROUP_JOIN_TIMEOUT_S, GroupJoins, check_disk_path, check_prompts, server_settings
 from .protocol import GenerateBody, errors_text
+from .routing import encode_routed, routed_of, with_routing
 from .scheduler import Item, Request, Scheduler
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
@@ -43,6 +47,7 @@ WEIGHT_ROUTES = {"update_weights_from_disk": "update_weights_from_disk",
                  "destroy_weights_update_group": "destroy_weights_update_group",
                  "weights_checksum": "weight_checksums"}
 HEALTH_TIMEOUT_S = 20.0
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class FolderSpec:
@@ -54,6 +59,11 @@ class FolderSpec:
     def build_tokenizer(self, default: Any = None) -> Any:
         from transformers import AutoTokenizer
 
+        if not any((Path(self.model_dir) / f).is_file() for f in TOKENIZER_FILES):
+            # AutoTokenizer may otherwise hand back a tokenizer with no vocabulary at all
+            raise MilesError(f"{self.model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                             f"`miles export` writes them next to the weights, or save the "
+                             f"tokenizer there with tokenizer.save_pretrained(FOLDER)")
         try:
             tok = AutoTokenizer.from_pretrained(self.model_dir)
         except Exception as e:
@@ -91,7 +101,7 @@ def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: fl
     item carries a weight version, as SGLang's do: a request aborted before it ran reports
     ``version``, the engine's now (a missing one reads as a server restarted from its model
     folder to the sglang client, which would then push the same weights again)."""
-    from miles.builtin import decode_batch
+    from miles_tokens import decode_batch
 
     n = req.items[0].n
     rows = [(item, j) for j in range(n) for item in req.items]
@@ -113,6 +123,8 @@ def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: fl
             meta["output_token_logprobs"] = [
                 [lp, t, next(token_texts) if token_texts else None]
                 for lp, t in zip(comp.logprobs if comp else [], tokens)]
+        if body.return_routed_experts and comp is not None and routed_of(comp) is not None:
+            meta.update(encode_routed(routed_of(comp)))
         out.append({"text": text, "output_ids": list(tokens), "meta_info": meta})
     return out
 
@@ -147,23 +159,39 @@ async def json_body(request: HttpRequest) -> dict:
     raw = await request.body()
     if not raw.strip():
         return {}
-    data = await request.json()
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError("the request body is JSON nested too deeply") from None
+    except UnicodeDecodeError:
+        raise ValueError("the request body is not UTF-8 JSON") from None
     if not isinstance(data, dict):
         raise ValueError("the request body must be a JSON object")
     return data
 
 
 def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str | None = None,
-              settings: dict | None = None) -> FastAPI:
-    """The FastAPI application (SGLang's native routes we support; see the module docstring)."""
+              settings: dict | None = None, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+              weights_dirs: list[str] | None = None,
+              group_join_timeout_s: float = GROUP_JOIN_TIMEOUT_S) -> FastAPI:
+    """The FastAPI application (SGLang's native routes we support; see the module docstring).
+    ``weights_dirs``: the only folders ``/update_weights_from_disk`` may read (None: any)."""
     app = FastAPI(title="miles serve", openapi_url=None)
     if api_key:
         _require_key(app, api_key)
+    groups = GroupJoins(group_join_timeout_s)
     _generate_route(app, engine, scheduler)
-    _control_routes(app, engine, scheduler)
+    _control_routes(app, engine, scheduler, groups)
     _info_routes(app, engine, scheduler, model_dir, settings or {})
     for route, method in WEIGHT_ROUTES.items():
-        app.post(f"/{route}")(_weight_handler(engine, scheduler, route, method))
+        app.post(f"/{route}")(_weight_handler(engine, scheduler, route, method, groups, weights_dirs))
+    from .openai_api import mount_openai_routes
+
+    mount_openai_routes(app, engine, scheduler, model_dir=model_dir)  # /v1/models, /v1/*completions
+    from .p2p import mount_p2p_routes
+
+    mount_p2p_routes(app, engine, scheduler)  # /p2p/open, /p2p/commit (NIXL imported on first use)
+    app.add_middleware(Guard, max_body_bytes=int(max_body_mb * 2**20))  # outermost: sees every body
     return app
 
 
@@ -182,6 +210,7 @@ def _require_key(app: FastAPI, api_key: str) -> None:
 
 def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
     vocab = int(getattr(engine.model.config, "vocab_size", 0) or 0)
+    context = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
     tokenizer = engine.tokenizer
 
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -192,9 +221,10 @@ def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
             body = GenerateBody.model_validate(await json_body(request))
             prompts = body.prompts(tokenizer)
             params = body.sampling(len(prompts))
-            bad = [t for p in prompts for t in p if not 0 <= t < vocab] if vocab else []
-            if bad:
-                raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            params = check_prompts(prompts, params, vocab, context, body.explicit_lengths(len(prompts)))
+            if body.return_routed_experts and getattr(engine, "_routing", None) is None:
+                raise ValueError("return_routed_experts: this server's model does not record routing "
+                                 "(it needs a mixture-of-experts model and the moe plugin installed)")
         except ValidationError as e:
             return _error(errors_text(e))
         except ValueError as e:
@@ -205,9 +235,11 @@ def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
                       seeded=any(sp.seed is not None for sp, _ in params))
         scheduler.submit(req)
         try:
-            await req.future
-        except asyncio.CancelledError:  # the client went away: drop it if it is still queued
-            scheduler.discard(req)
+            if not await until_done_or_disconnected(req.future, request):
+                scheduler.cancel(req)  # the client went away: nobody will read the answer
+                return _error("client disconnected", 499)
+        except asyncio.CancelledError:
+            scheduler.cancel(req)
             raise
         except Exception as e:  # noqa: BLE001 - the engine rejected the batch
             return _error(f"generation failed: {type(e).__name__}: {e}", 500)
@@ -219,11 +251,26 @@ def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
                                    separators=(",", ":")), media_type="application/json")
 
 
-def _control_routes(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
+async def until_done_or_disconnected(future: asyncio.Future, request: HttpRequest,
+                                     every_s: float = 0.25) -> bool:
+    """Wait for ``future``; False as soon as the client has disconnected instead."""
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=every_s)
+        if done:
+            future.result()  # raises the engine's error
+            return True
+        if await request.is_disconnected():
+            return False
+
+
+def _control_routes(app: FastAPI, engine: Any, scheduler: Scheduler, groups: GroupJoins) -> None:
     @app.get("/health")
     async def health():
-        """SGLang ``GET /health``: the server and its engine thread are up (no engine work)."""
-        return Response(status_code=200 if scheduler.alive else 503)
+        """SGLang ``GET /health``: the server and its engine thread are up (no engine work); the
+        body says how the last weights-update group join went (a failed one is not hidden)."""
+        body = {"status": "ok" if scheduler.alive else "engine thread stopped",
+                "weights_update_group": groups.state}
+        return JSONResponse(body, status_code=200 if scheduler.alive else 503)
 
     @app.get("/health_generate")
     async def health_generate():
@@ -306,7 +353,8 @@ def _info_routes(app: FastAPI, engine: Any, scheduler: Scheduler, model_dir: str
                 "accepts_buckets": bool(getattr(engine, "accepts_buckets", False))}
 
 
-def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str):
+def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str, groups: GroupJoins,
+                    weights_dirs: list[str] | None):
     """SGLang's weight endpoints (``/update_weights_from_disk``, ``/init_weights_update_group``,
     ... in ``http_server.py``): the engine method of the same name, run on the engine thread."""
     async def handler(request: HttpRequest):
@@ -316,10 +364,15 @@ def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str):
                                 status_code=400)
         try:
             kwargs = _accepted_kwargs(fn, await json_body(request), route)
-        except ValueError as e:
+            if route == "update_weights_from_disk":
+                check_disk_path(kwargs.get("model_path"), weights_dirs)
+        except (ValueError, MilesError) as e:
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
         try:
-            result = await scheduler.call(lambda: fn(**kwargs))
+            if route == "init_weights_update_group":  # may wait long on its peers: not on the engine thread
+                result = await groups.join(fn, kwargs)
+            else:
+                result = await scheduler.call(lambda: fn(**kwargs))
         except Exception as e:  # noqa: BLE001 - reported to the client as SGLang does
             return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"},
                                 status_code=400)
@@ -362,12 +415,15 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
 
     from .config import TorchEngineConfig
 
+    api_key = api_key or os.environ.get("MILES_API_KEY", "").strip() or None
     check_bind(host, api_key)
+    settings = dict(settings or {})
+    server_opts = server_settings(settings, host)  # max_body_mb, weights_dir: not engine settings
     if not (Path(model_dir) / "config.json").is_file():
         raise MilesError(f"{model_dir} is not a Hugging Face model folder (no config.json); "
                          f"write one with `miles export RUN_DIR --to FOLDER`")
     problems: list[str] = []
-    cfg = validate_settings(TorchEngineConfig, "", dict(settings or {}), problems)
+    cfg = validate_settings(TorchEngineConfig, "", settings, problems)
     if problems:
         raise ConfigError(problems, source="miles serve settings (key=value)")
     sock = _bind(host, port)  # before loading the model: a busy port fails fast
@@ -376,12 +432,12 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
     from .engine import TorchEngine
 
     hf_logging.disable_progress_bar()  # the launcher reads our stdout/stderr
-    spec = FolderSpec(model_dir)
+    spec = with_routing(FolderSpec(model_dir), model_dir)  # an MoE folder: routers that record
     tokenizer = spec.build_tokenizer()
     engine = TorchEngine(cfg, spec=spec, tokenizer=tokenizer)
     scheduler = Scheduler(engine)
     app = build_app(engine, scheduler, model_dir=model_dir, api_key=api_key,
-                    settings=cfg.model_dump())
+                    settings=cfg.model_dump(), **server_opts)
     gc.freeze()  # the model, libraries and app live on: collections skip them (a full one took ~0.2 s)
     try:
         asyncio.run(_run_uvicorn(app, sock, host, scheduler))

@@ -65,6 +65,7 @@ class WeightReceiver:
     # update_weights_from_distributed takes a whole sync's buckets in one call (``buckets``):
     # the broadcast transport then announces a sync once instead of once per bucket
     accepts_buckets = True
+    _max_payload: int | None = None  # bytes a shared-memory payload may claim (set on first use)
 
     @property
     def _ws(self) -> _State:
@@ -93,6 +94,8 @@ class WeightReceiver:
         applied before the first bad name is raised."""
         ws, errors = self._ws, []
         dsts, srcs = [], []
+        if getattr(self, "_fp8", None) is not None:  # FP8 linear weights are quantized, not copied
+            pairs = self._fp8.divert(pairs)
         for name, src in pairs:
             try:
                 dst = self._target(name, src.shape)
@@ -126,6 +129,7 @@ class WeightReceiver:
         if load_format not in (None, "auto", "safetensors"):
             raise MilesError(f"torch engine: update_weights_from_disk cannot read load_format {load_format!r}")
         version = int(weight_version) if weight_version is not None else None
+        _check_shards(model_path, W.read_manifest(model_path, version))
         for name, t in W.load_version(model_path, version):
             self._assign(name, t)
         self._set_version(version if version is not None else W.read_manifest(model_path)["version"])
@@ -142,17 +146,18 @@ class WeightReceiver:
 
     # -- torch.distributed broadcast --------------------------------------------------------------
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str, backend: str = "gloo") -> None:
+                                  world_size: int, group_name: str, backend: str = "gloo",
+                                  timeout_s: float = GROUP_TIMEOUT_S) -> None:
         """Join group ``group_name`` as rank ``rank_offset`` (the trainer is rank 0); blocks until
-        every rank has joined. A group of the same name is replaced."""
+        every rank has joined (at most ``timeout_s``). A group of the same name is replaced."""
         if backend == "nccl" and self.device.type != "cuda":
             raise MilesError("torch engine: backend 'nccl' needs engine.device=cuda (use 'gloo')")
         self.destroy_weights_update_group(group_name, missing_ok=True)
         store = W.open_store(master_address, master_port, world_size, is_master=False,
-                             timeout_s=GROUP_TIMEOUT_S)
+                             timeout_s=float(timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(self._param_device())  # the communicator binds to this device
-        group = W.new_group(store, rank_offset, world_size, group_name, backend, GROUP_TIMEOUT_S)
+        group = W.new_group(store, rank_offset, world_size, group_name, backend, float(timeout_s))
         self._ws.groups[group_name] = (group, store, backend)
 
     def destroy_weights_update_group(self, group_name: str, missing_ok: bool = False) -> None:
@@ -358,6 +363,11 @@ class WeightReceiver:
         ws = self._ws
         if not _SEGMENT_NAME.match(name):
             raise MilesError(f"torch engine: invalid shared memory segment name {name!r}")
+        if self._max_payload is None:  # a bucket never holds more than every weight, even as float64
+            self._max_payload = 8 * sum(t.numel() for t in self._targets.values()) + (1 << 20)
+        if not 0 < size <= self._max_payload:
+            raise MilesError(f"torch engine: shared memory payload of {size} bytes; this model's "
+                             f"weights fit in {self._max_payload} bytes")
         have = ws.segments.get(name)
         if have is None or have[0].numel() < size:
             have = (_map_segment(name, size), ws.epoch)
@@ -367,10 +377,25 @@ class WeightReceiver:
         return have[0][:size]
 
 
+def _check_shards(root: str, manifest: dict) -> None:
+    """Every shard of a disk update is a ``.safetensors`` file inside ``root``: pickled formats
+    (``.bin``, ``.pt``) can run code when loaded, and are never read."""
+    real_root = os.path.realpath(root)
+    for name, entry in manifest.get("tensors", {}).items():
+        file = str(entry.get("file", ""))
+        path = os.path.realpath(os.path.join(real_root, file))
+        if not file.endswith(".safetensors") or not path.startswith(real_root + os.sep):
+            raise MilesError(f"torch engine: {name!r} is stored in {file!r}; only .safetensors files "
+                             f"inside {root} are loaded (never pickled .bin/.pt weights)")
+
+
 def _map_segment(name: str, size: int) -> torch.Tensor:
     """A uint8 tensor over POSIX shared memory segment ``name`` (mapped shared, not copied)."""
     path = os.path.join("/dev/shm", name)
     if os.path.exists(path):
+        if size > os.path.getsize(path):  # mapping past its end would grow the trainer's file
+            raise MilesError(f"torch engine: shared memory segment {name!r} holds "
+                             f"{os.path.getsize(path)} bytes, the payload claims {size}")
         # torch owns the mapping: no resource tracker that would unlink the trainer's segment
         # at our exit, and no exported-buffer errors while parameters still view it
         return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)

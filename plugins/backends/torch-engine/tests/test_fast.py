@@ -5,7 +5,7 @@ import pytest
 import torch
 from miles import ConfigError, SamplingParams
 from miles.testing import TinySpec, char_tokenizer
-from miles_wire import cpu_gemm
+from miles_fastpath import cpu_gemm
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from miles import MilesError
+from miles.protocols import Exports
 
 from .config import LocalLauncherConfig
 from .supervisor import Supervisor
@@ -117,7 +118,7 @@ def initial_model(config: Any, pm: Any, path: str) -> None:
     loop = Loop(pm, config)
     parts = loop.build(with_engine=False)
     model = parts.spec.build_model(parts.tokenizer)
-    if not hasattr(parts.spec, "save_pretrained"):
+    if not isinstance(parts.spec, Exports):
         raise MilesError(f"model spec {config.name('model')!r} cannot write a Hugging Face folder, "
                          f"which launcher.engines > 0 needs; use launcher.engines: 0")
     try:  # this process only supervises: transformers' one-shard "Writing model shards" bar is noise

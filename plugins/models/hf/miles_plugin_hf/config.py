@@ -21,8 +21,40 @@ class HFModelConfig(BaseModel):
                              "(an inline config with model_type)")
         if self.path is not None and not Path(self.path).is_dir():
             raise ValueError(f"model.path {self.path} is not a folder")
-        if self.config is not None and "model_type" not in self.config:
-            raise ValueError("model.config needs a model_type, e.g. qwen2 or llama")
+        if self.config is not None:
+            check_inline(self.config)
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ValueError(f"model.tokenizer {self.tokenizer} is not a folder")
         return self
+
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "max_position_embeddings", "head_dim")
+
+
+def check_inline(config: dict[str, Any]) -> None:
+    """An inline config's model_type is one transformers knows and its sizes can build a model."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        import difflib
+
+        near = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING), n=3) or ["qwen2", "llama"]
+        raise ValueError(f"model.config.model_type {model_type!r} is not a transformers model type "
+                         f"(closest: {', '.join(near)})")
+    bad = [k for k in SIZES if k in config and not (type(config[k]) is int and config[k] > 0)]
+    if bad:
+        raise ValueError(f"model.config.{bad[0]} must be a positive integer (got {config[bad[0]]!r})")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and config.get("hidden_size") and "head_dim" not in config and config["hidden_size"] % (2 * heads):
+        raise ValueError(f"model.config.hidden_size ({config['hidden_size']}) must be a multiple of "
+                         f"2 x num_attention_heads ({heads}): rotary embeddings need an even head size")
+    if heads and kv and heads % kv:
+        raise ValueError(f"model.config.num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv})")
+    try:
+        AutoConfig.for_model(**config)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"model.config: {str(e)[:300]}") from None

@@ -36,6 +36,9 @@ class HFModelSpec:
         kw = dict(self.cfg.config)
         model_type = kw.pop("model_type")
         kw.setdefault("vocab_size", len(tokenizer))
+        if kw["vocab_size"] < len(tokenizer):  # token ids past the embedding would fail mid-run
+            raise MilesError(f"model.config.vocab_size ({kw['vocab_size']}) is smaller than the tokenizer's "
+                             f"{len(tokenizer)} tokens; raise it or leave it out (it defaults to the tokenizer's)")
         for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
             if getattr(tokenizer, key, None) is not None:
                 kw.setdefault(key, getattr(tokenizer, key))
@@ -46,16 +49,13 @@ class HFModelSpec:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
     def save_pretrained(self, named_weights, tokenizer: Any, path: str) -> None:
-        """Write a Hugging Face folder (config, safetensors, tokenizer), atomically."""
+        """Write a Hugging Face folder (config, safetensors, tokenizer) into ``path``, which must be
+        new or empty: nothing already there is removed or overwritten."""
         import os
-        import shutil
 
+        if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+            raise MilesError(f"{path} exists and is not an empty folder; pick a new folder")
         model = self.build_model(tokenizer)
         model.load_state_dict(dict(named_weights), strict=True)
-        tmp = f"{path.rstrip('/')}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        model.save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)

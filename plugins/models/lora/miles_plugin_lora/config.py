@@ -11,25 +11,12 @@ MAKE_BASE = ("miles train recipes/quickstart.yaml run.steps=0 run.out_dir=runs/w
              "miles export runs/warm-start --to runs/warm-start/export")
 
 
-def resolve_base(base: dict[str, Any]) -> tuple[str, Any]:
-    """(name, validated settings) of the wrapped model spec, looked up in the installed plugins'
-    registry (a plugin never imports another's internals). Raises ValueError listing every
-    problem, named ``model.base.<key>``."""
-    from miles import make_plugin_manager
-    from miles.config import validate_settings
+def resolve_base(base: dict[str, Any], pm: Any) -> tuple[str, Any]:
+    """(name, validated settings) of the wrapped model spec, from the run's registry (a plugin
+    never imports another's internals); a ``miles.ConfigError`` names ``model.base.<key>``."""
+    from miles.config import validate_nested
 
-    raw = dict(base)
-    name = raw.pop("name", "hf")
-    if name == "lora":
-        raise ValueError("model.base.name: lora cannot wrap itself; name the model spec to adapt (e.g. hf)")
-    registry = make_plugin_manager().registry("model_specs")
-    if name not in registry:
-        raise ValueError(f"model.base.name: unknown model spec {name!r}; registered: {', '.join(sorted(registry))}")
-    problems: list[str] = []
-    settings = validate_settings(registry[name].config, "model.base", raw, problems)
-    if problems:
-        raise ValueError("; ".join(problems))
-    return name, settings
+    return validate_nested(pm, "model_specs", "model.base", base, "hf", wrapper="lora")
 
 
 class LoraSpecConfig(BaseModel):
@@ -55,5 +42,4 @@ class LoraSpecConfig(BaseModel):
         if isinstance(path, str) and not Path(path).is_dir():
             raise ValueError(f"model.base.path: base model folder {path} does not exist; train and export "
                              f"a full-parameter model first, e.g. `{MAKE_BASE}`")
-        resolve_base(v)
-        return v
+        return v  # the spec's name and settings: miles_validate_config, with the run's plugins

@@ -1,14 +1,20 @@
-"""The ``lora`` model spec: peft LoRA adapters injected into the base spec's Hugging Face model.
+"""The ``lora`` model spec: peft LoRA adapters injected into the base spec's model.
 
 ``build_model`` returns the base model itself with adapter layers injected (peft's LoRA tuner
-wraps each targeted ``nn.Linear``), so parameter names stay Hugging Face names plus
+wraps each targeted ``nn.Linear``), so parameter names stay the base's names plus
 ``.base_layer`` / ``.lora_A.default`` / ``.lora_B.default`` and the forward signature is the base
 model's. The base weights are frozen (``requires_grad=False``), so only adapters train.
+
+The base may be a causal LM (``hf``) or any other spec, e.g. a diffusion transformer
+(``diffusers``, a ``ScoresActions`` spec): every public capability the lora spec does not define
+itself (``action_logprobs``, a text encoder, ...) is the base spec's, so engines and trainers see
+the base spec with adapters.
 
 Weight sync: ``sync_filter(name)`` tells the loop which weights change during training; after the
 first, full sync (the engine builds the same adapted model and must receive the base once) only
 adapter tensors move. ``save_pretrained`` merges the adapters into the base weights
-(``merge_and_unload``) and writes a plain Hugging Face folder.
+(``merge_and_unload``) and writes the base's own folder: a plain Hugging Face folder for a causal
+LM, the base spec's export (e.g. a diffusers folder) otherwise.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from miles import MilesError
 
 from .config import LoraSpecConfig, resolve_base
 
@@ -25,12 +32,27 @@ ADAPTER_MARK = "lora_"  # peft names adapter tensors lora_A / lora_B (and lora_e
 
 
 class LoraSpec:
-    def __init__(self, cfg: LoraSpecConfig):
+    def __init__(self, cfg: LoraSpecConfig, pm: Any = None):
         from miles import make_plugin_manager
 
         self.cfg = cfg
-        name, settings = resolve_base(cfg.base)
-        self.base = make_plugin_manager().create("model_specs", name, settings)
+        pm = pm if pm is not None else make_plugin_manager()  # the run's, when the kernel builds it
+        name, settings = resolve_base(cfg.base, pm)
+        self.base = pm.create("model_specs", name, settings, pm=pm)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for attributes the lora spec lacks: the base spec's capabilities
+        base = self.__dict__.get("base")
+        if name.startswith("_") or base is None:
+            raise AttributeError(name)
+        return getattr(base, name)
+
+    @property
+    def causal_lm(self) -> bool:
+        """A base that scores its own actions (e.g. a diffusion transformer) is not a causal LM."""
+        from miles.protocols import ScoresActions
+
+        return not isinstance(self.base, ScoresActions)
 
     def build_tokenizer(self, default: Any = None) -> Any:
         return self.base.build_tokenizer(default)
@@ -39,7 +61,8 @@ class LoraSpec:
         from peft import LoraConfig
 
         return LoraConfig(r=self.cfg.r, lora_alpha=self.cfg.alpha, lora_dropout=self.cfg.dropout,
-                          target_modules=self.cfg.target_modules, bias="none", task_type="CAUSAL_LM")
+                          target_modules=self.cfg.target_modules, bias="none",
+                          task_type="CAUSAL_LM" if self.causal_lm else None)
 
     def _peft_model(self, tokenizer: Any):
         import warnings
@@ -63,10 +86,17 @@ class LoraSpec:
     def save_pretrained(self, named_weights: Iterable[tuple[str, torch.Tensor]], tokenizer: Any,
                         path: str) -> None:
         """Merge the adapters into the base weights and write a plain Hugging Face folder
-        (config, safetensors, tokenizer) that ``AutoModelForCausalLM`` loads, atomically."""
+        (config, safetensors, tokenizer) that ``AutoModelForCausalLM`` loads, atomically; for a
+        base that is not a causal LM, the base spec writes the merged weights its own way."""
         peft_model = self._peft_model(tokenizer)
         peft_model.base_model.model.load_state_dict(dict(named_weights), strict=True)
         merged = peft_model.merge_and_unload()
+        if not self.causal_lm:
+            if not hasattr(self.base, "save_pretrained"):
+                raise MilesError(f"model.base: spec {type(self.base).__name__} cannot export; "
+                                 f"miles export needs a base spec with save_pretrained")
+            self.base.save_pretrained(merged.state_dict().items(), tokenizer, path)
+            return
         tmp = f"{path.rstrip('/')}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         merged.save_pretrained(tmp, safe_serialization=True)

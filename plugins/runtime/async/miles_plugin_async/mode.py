@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from miles import ConfigError
+from miles import MilesError
+from miles.protocols import Pausable
 from miles_wire import Calls, is_sender, nbytes
 
 from .streamer import Streamer
@@ -25,22 +26,23 @@ class AsyncMode:
     """Built on every trainer rank; rank 0 alone runs the rollout workers, started by the first
     ``take`` (after step 0's push and evaluation, or the resumed checkpoint's push)."""
 
-    def __init__(self, loop: Any):
-        self.loop = loop
+    def __init__(self, cfg: Any, ctx: Any):
+        self.cfg, self.ctx = cfg, ctx  # AsyncConfig, miles.rollouts.ModeContext
         self.streamer: Streamer | None = None
         self.pending: Calls | None = None  # the background push in flight (None on non-sending ranks)
-        check_engine(loop)
-        engine = loop.p.engine  # None on trainer ranks other than 0
+        if cfg.in_flight == "resume" and not all(isinstance(e, Pausable) for e in ctx.engines):
+            raise MilesError("rollout.in_flight: resume needs engines that abort and resume requests "
+                             "(launcher.engines >= 1, or engine.name: sglang): set rollout.in_flight: finish")
         # one in-process engine: the workers, evaluation and pushes take turns; remote engines
         # serialise requests and updates themselves
-        local = engine is not None and not getattr(engine, "remote", False)
+        local = bool(ctx.engines) and not ctx.remote
         self.lock: Any = threading.Lock() if local else contextlib.nullcontext()
 
     def take(self, rng: Any, params: Any) -> tuple[list, dict[str, float]]:
         """The next ``rollout.batch_size`` groups from the workers (which draw their own tasks
         and sampling seeds: ``rng`` and ``params`` are the loop's for a sync step)."""
         if self.streamer is None:
-            self.streamer = Streamer(self.loop)
+            self.streamer = Streamer(self.cfg, self.ctx, self.lock)
             self.streamer.start()
         return self.streamer.take()
 
@@ -48,9 +50,9 @@ class AsyncMode:
         """``wait=False`` and a rollout algorithm: copy the weights, push the copy on a thread
         (metrics: the trainer's blocking cost); else push now."""
         done = self.finish_push()
-        if wait or not self.loop.p.algorithm.uses_rollout:
+        if wait or not self.ctx.uses_rollout:
             with self.lock, self.pushing(engines, version):
-                m = self.loop.p.transport.sync(trainer, engines, version)
+                m = self.ctx.transport.sync(trainer, engines, version)
             if self.streamer is not None:  # running workers: only a re-sync after an engine restart
                 self.streamer.resynced.set()  # waits, and the workers stopped by it go on
             return {**done, **m}
@@ -59,7 +61,7 @@ class AsyncMode:
 
         def push() -> dict[str, float]:
             with self.lock, self.pushing(engines, version):
-                return self.loop.p.transport.sync(snap, engines, version)
+                return self.ctx.transport.sync(snap, engines, version)
         self.pending = Calls([push]) if snap.weights else None
         if self.streamer is not None:  # a new version: producers may wait for it to land
             self.streamer.wake()
@@ -78,7 +80,7 @@ class AsyncMode:
         answers with what it generated so far, and the engine client resumes it after
         ``continue_generation``) and hold new ones until the weights are in."""
         streamer = self.streamer
-        resume = streamer is not None and self.loop.cfg.rollout.in_flight == "resume"
+        resume = streamer is not None and self.cfg.in_flight == "resume"
         try:
             for e in engines if resume else ():
                 e.pause_generation(mode="abort")
@@ -90,7 +92,7 @@ class AsyncMode:
             streamer.wake(landed=version)
 
     def reweight(self, batch: Any, logprobs: Any) -> tuple[Any, dict[str, float]]:
-        return reweight(self.loop, batch, logprobs)
+        return reweight(self.cfg, self.ctx.version, batch, logprobs)
 
     def lock_engines(self) -> Any:
         return self.lock
@@ -116,31 +118,20 @@ class Snapshot:
         return iter(self.weights)
 
 
-def check_engine(loop: Any) -> None:
-    """``rollout.in_flight: resume`` needs an engine that aborts and resumes requests in flight."""
-    engine = loop.p.engine  # None on trainer ranks other than 0
-    if loop.cfg.rollout.in_flight == "resume" and engine is not None \
-            and not hasattr(engine, "pause_generation"):
-        raise ConfigError([("rollout.in_flight: resume needs engines in their own processes that "
-                            "abort and resume requests (launcher.engines >= 1, or engine.name: "
-                            f"sglang); engine {loop.cfg.name('engine')!r} here runs in the trainer's "
-                            "process and cannot: set rollout.in_flight: finish")])
-
-
-def reweight(loop: Any, batch: Any, logprobs: Any) -> tuple[Any, dict[str, float]]:
+def reweight(r: Any, version: int, batch: Any, logprobs: Any) -> tuple[Any, dict[str, float]]:
     """The batch the loss sees: the advantages of stale samples times truncated importance
     weights min(pi_prox / pi_rollout, ``importance_cap``) per token (decoupled PPO), pi_prox being
     the policy before this step's update: ``batch.old_logprobs``, or, when one optimizer step
     takes the whole batch, the ``logprobs`` being trained (no extra forward pass). Stale: from
     older weights than the trainer's (``correct_stale``), else only groups kept past
-    ``max_staleness`` (``stale_policy: importance``). Every rank does the same."""
-    r = loop.cfg.rollout
+    ``max_staleness`` (``stale_policy: importance``), ``r`` being the ``AsyncConfig`` and
+    ``version`` the trainer's. Every rank does the same."""
     oldest = 1 if r.correct_stale else r.max_staleness + 1 if r.stale_policy == "importance" else 0
     if not oldest or not batch.samples or not batch.samples[0].logprobs:
         return batch, {}
     import torch
 
-    stale = torch.tensor([loop.version - s.weight_version >= oldest for s in batch.samples],
+    stale = torch.tensor([version - s.weight_version >= oldest for s in batch.samples],
                          device=logprobs.device)
     if not stale.any():
         return batch, {}

@@ -36,27 +36,29 @@ class Streamer:
     landed. Groups the trainer would drop as stale are not generated: the cores they would have
     cost go to the trainer (a producer that waits counts as ``engine_idle_seconds``)."""
 
-    def __init__(self, loop: Any):
-        self.loop, r = loop, loop.cfg.rollout
-        self.buffer: queue.Queue[Group] = queue.Queue(maxsize=r.buffer_groups or 2 * r.batch_size)
+    def __init__(self, cfg: Any, ctx: Any, lock: Any):
+        # cfg: AsyncConfig; ctx: miles.rollouts.ModeContext; lock: held around each engine call
+        self.cfg, self.ctx, r = cfg, ctx, ctx.rollout
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.buffer: queue.Queue[Group] = queue.Queue(maxsize=cfg.buffer_groups or 2 * r.batch_size)
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.restarted: EngineRestarted | None = None  # set by a worker, cleared after a re-sync
         self.resynced = threading.Event()
         self.partial: tuple[list, list, dict[str, float]] = ([], [], {})  # take() state across retries
-        self.blocked = [0.0] * r.async_workers  # seconds each worker waited (pacing, full buffer)
+        self.blocked = [0.0] * cfg.async_workers  # seconds each worker waited (pacing, full buffer)
         self.idle_mark = 0.0
         self.chunk = r.batch_size  # prompts per request at most: pacing sizes each one
         self.cv = threading.Condition()  # guards the pacing state below
-        self.engine_version = loop.version  # the weights the engines hold: the last push that landed
+        self.engine_version = ctx.version  # the weights the engines hold: the last push that landed
         self.taking = False  # the trainer is in take()
         self.need = 0  # kept groups the take in progress still needs
-        self.taken_at: int | None = None  # loop.version at the last completed take
+        self.taken_at: int | None = None  # ctx.version at the last completed take
         self.in_flight = 0  # groups requested from the engines and not in the buffer yet
         self.waiting = 0  # producers waiting for room
         self.per_kept: float | None = None  # groups sampled per group kept (filters), recent takes
         self.threads = [threading.Thread(target=self._produce, args=(i,), daemon=True,
-                                         name=f"miles-rollout-{i}") for i in range(r.async_workers)]
+                                         name=f"miles-rollout-{i}") for i in range(cfg.async_workers)]
 
     def start(self) -> None:
         for t in self.threads:
@@ -82,11 +84,11 @@ class Streamer:
     def _room(self) -> float:
         """Between takes: how many groups, counted from the trainer's next one, are still at
         most ``max_staleness`` versions old when taken if generated now. Called under ``cv``."""
-        loop, r = self.loop, self.loop.cfg.rollout
-        per_step = r.batch_size * (self.per_kept or 1.0) * (1 + MARGIN)  # what a take takes
+        version = self.ctx.version
+        per_step = self.ctx.rollout.batch_size * (self.per_kept or 1.0) * (1 + MARGIN)  # what a take takes
         # the step that took last has not bumped the version yet
-        next_version = loop.version + (self.taken_at == loop.version)
-        return max(0, r.max_staleness + self.engine_version - next_version + 1) * per_step
+        next_version = version + (self.taken_at == version)
+        return max(0, self.cfg.max_staleness + self.engine_version - next_version + 1) * per_step
 
     def _chunk_size(self) -> int:
         """Prompts the next chunk may have (0: wait). Called under ``cv``. A take waiting for
@@ -97,20 +99,20 @@ class Streamer:
         queued = self.buffer.qsize() + self.in_flight
         if self.taking:  # on weights fresh enough for this take (else its push lands first)
             lack = math.ceil(self.need * (self.per_kept or 1.0) * (1 + MARGIN)) - queued
-            fresh = self.loop.version - self.engine_version <= self.loop.cfg.rollout.max_staleness
+            fresh = self.ctx.version - self.engine_version <= self.cfg.max_staleness
             return min(self.chunk, lack + EXTRA) if lack > 0 and fresh else 0
         room = int(self._room()) - queued
         return min(self.chunk, room) if room >= max(1, self.chunk // 4) else 0
 
     def _produce(self, worker: int) -> None:
-        loop = self.loop
-        rng = random.Random(loop.seed * 7919 + worker + 1_000 * loop.version)
+        ctx = self.ctx
+        rng = random.Random(ctx.seed * 7919 + worker + 1_000 * ctx.version)
         try:
             while not self.stop.is_set():
                 t0 = time.perf_counter()
                 with self.cv:
                     while not self.stop.is_set():
-                        size = min(self._chunk_size(), len(loop.train_tasks))
+                        size = min(self._chunk_size(), len(ctx.train_tasks))
                         if size:
                             break
                         self.waiting += 1
@@ -120,10 +122,11 @@ class Streamer:
                         return
                     self.in_flight += size
                 self.blocked[worker] += time.perf_counter() - t0
-                tasks = rng.sample(loop.train_tasks, size)
-                params = replace(loop.params, seed=rng.randrange(2**31))
+                tasks = rng.sample(ctx.train_tasks, size)
+                params = replace(ctx.params, seed=rng.randrange(2**31))
                 try:
-                    groups = loop.rollout(tasks, loop.cfg.rollout.n, params)
+                    with self.lock:
+                        groups = ctx.rollouts.run(tasks, ctx.rollout.n, params)
                 except EngineRestarted as e:  # wait for the trainer to push weights, then redo the chunk
                     with self.cv:
                         self.in_flight -= size
@@ -150,7 +153,7 @@ class Streamer:
 
     def take(self) -> tuple[list[Group], dict[str, float]]:
         """The next ``rollout.batch_size`` groups that pass the filters and the staleness bound."""
-        loop, r = self.loop, self.loop.cfg.rollout
+        ctx, r = self.ctx, self.ctx.rollout
         kept, sampled, c = self.partial
         c.setdefault("dropped", 0), c.setdefault("stale", 0), c.setdefault("waited", 0.0)
         lags = c.setdefault("lags", [])
@@ -162,10 +165,10 @@ class Streamer:
                 g = self._get()
                 c["waited"] += time.perf_counter() - t0
                 sampled.append(g)
-                lag = loop.version - min(s.weight_version for s in g.samples)
-                if lag > r.max_staleness and r.stale_policy == "drop":
+                lag = ctx.version - min(s.weight_version for s in g.samples)
+                if lag > self.cfg.max_staleness and self.cfg.stale_policy == "drop":
                     c["stale"] += 1
-                elif loop.keep(g):
+                elif ctx.rollouts.keep(g):
                     kept.append(g)
                     lags.append(lag)
                 else:
@@ -175,7 +178,7 @@ class Streamer:
             with self.cv:
                 self.taking = False
         with self.cv:
-            self.taken_at = loop.version
+            self.taken_at = ctx.version
             fresh = (len(kept) + c["dropped"]) / len(kept)
             self.per_kept = fresh if self.per_kept is None else 0.75 * self.per_kept + 0.25 * fresh
             self.cv.notify_all()
@@ -194,7 +197,7 @@ class Streamer:
             "engine_idle_seconds": blocked - blocked_mark,
             "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "resumed_samples": sum(len(s.weight_versions) > 1 for s in samples),
-            "rollout_seconds": waited}
+            "rollout_seconds": waited, **ctx.rollouts.metrics(samples)}
 
     def _set_taking(self, need: int) -> None:
         with self.cv:

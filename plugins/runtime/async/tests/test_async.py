@@ -1,23 +1,26 @@
 """run.mode async: the pacing of the rollout workers and the importance weights of stale samples
 (no engine: a stand-in loop with just what ``miles_plugin_async`` reads)."""
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 from miles import Sample, Task
-from miles.builtin import SyncMode
-from miles.config import RolloutConfig, RunConfig
-from miles.types import Batch
+from miles_plugin_sync.mode import SyncMode
+from miles.config import RolloutConfig
+from miles.rollouts import ModeContext
+from miles.types import Batch, SamplingParams
+from miles_plugin_async.config import AsyncConfig
 from miles_plugin_async.mode import reweight
 from miles_plugin_async.streamer import EXTRA, MARGIN, Streamer
 
 
-def streamer(version=5, engine_version=5, **rollout):
-    r = RolloutConfig(batch_size=64, **rollout)
-    loop = SimpleNamespace(cfg=SimpleNamespace(rollout=r, run=RunConfig(mode="async")), version=version,
-                           seed=0, train_tasks=[])
-    s = Streamer(loop)  # threads are made, not started
+def context(version=0, rollouts=None, transport=None, **rollout):
+    return ModeContext(None, RolloutConfig(**rollout), rollouts, transport, [], [], SamplingParams(), 0, True,
+                       False, version_fn=lambda: version)
+
+
+def streamer(version=5, engine_version=5, **settings):
+    s = Streamer(AsyncConfig(**settings), context(version, batch_size=64), None)  # threads made, not started
     s.engine_version = engine_version
     return s
 
@@ -82,15 +85,12 @@ def batch(versions, rollout_lp=-1.0):
     return Batch.from_samples(samples, 0, [1.0] * len(samples))
 
 
-def stand_in(version, **rollout):
-    return SimpleNamespace(version=version, cfg=SimpleNamespace(rollout=RolloutConfig(**rollout),
-                                                                run=RunConfig(mode="async")))
 
 
 def test_stale_samples_get_truncated_importance_weights_from_the_trained_logprobs():
     b = batch([4, 5, 3])
     lp = torch.tensor([[-0.5, -1.0], [-0.5, -0.5], [-1.2, 2.0]], requires_grad=True)
-    out, m = reweight(stand_in(5), b, lp)
+    out, m = reweight(AsyncConfig(), 5, b, lp)
     w = torch.exp(lp.detach() + 1.0).clamp(max=2.0)
     assert torch.allclose(out.advantages[0], w[0]) and torch.allclose(out.advantages[2], w[2])
     assert torch.equal(out.advantages[1], b.advantages[1])  # on-policy: untouched
@@ -102,18 +102,18 @@ def test_stale_samples_get_truncated_importance_weights_from_the_trained_logprob
 def test_old_logprobs_are_the_proximal_policy_when_there_are_several_optimizer_steps():
     b = batch([4])
     b.old_logprobs = torch.tensor([[-1.5, -0.5]])
-    out, _ = reweight(stand_in(5), b, torch.zeros(1, 2))
+    out, _ = reweight(AsyncConfig(), 5, b, torch.zeros(1, 2))
     assert torch.allclose(out.advantages, torch.exp(b.old_logprobs + 1.0))
 
 
 def test_without_correct_stale_only_groups_kept_past_max_staleness_are_weighted():
     b, lp = batch([4, 3]), torch.zeros(2, 2)
-    out, m = reweight(stand_in(5, correct_stale=False), b, lp)
+    out, m = reweight(AsyncConfig(correct_stale=False), 5, b, lp)
     assert out is b and m == {}  # stale_policy drop: nothing older than max_staleness is kept
-    out, _ = reweight(stand_in(5, correct_stale=False, stale_policy="importance"), b, lp)
+    out, _ = reweight(AsyncConfig(correct_stale=False, stale_policy="importance"), 5, b, lp)
     assert torch.equal(out.advantages[0], torch.ones(2)) and torch.equal(out.advantages[1], torch.full((2,), 2.0))
 
 
 def test_sync_runs_are_never_reweighted():
     b = batch([3])
-    assert SyncMode(loop=stand_in(5)).reweight(b, torch.zeros(1, 2)) == (b, {})
+    assert SyncMode(ctx=context(5)).reweight(b, torch.zeros(1, 2)) == (b, {})

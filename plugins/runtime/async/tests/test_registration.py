@@ -1,11 +1,14 @@
 """The plugin registers run mode ``async`` without importing torch, and it satisfies the
-kernel's ``Mode`` protocol like the built-in ``sync``."""
+kernel's ``Mode`` protocol like ``sync`` (miles-plugin-sync)."""
 from types import SimpleNamespace
 
-from miles.builtin import SyncMode
+from miles import SamplingParams
+from miles_plugin_sync.mode import SyncMode
 from miles.config import RolloutConfig
 from miles.protocols import Mode
+from miles.rollouts import ModeContext
 from miles.testing import assert_lazy_registration
+from miles_plugin_async.config import AsyncConfig
 from miles_plugin_async.mode import AsyncMode
 
 
@@ -14,8 +17,8 @@ def test_registration_is_lazy():
 
 
 def test_both_modes_follow_the_protocol():
-    loop = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig()), p=SimpleNamespace(engine=None))
-    for mode in (SyncMode(loop=loop), AsyncMode(loop)):
+    ctx = ModeContext(None, RolloutConfig(), None, None, [], [], SamplingParams(), 0, True, False)
+    for mode in (SyncMode(ctx=ctx), AsyncMode(AsyncConfig(), ctx)):
         assert isinstance(mode, Mode)
         assert mode.finish_push() == {}  # nothing pending
         mode.close()
@@ -25,7 +28,7 @@ def test_a_restarted_engine_is_pushed_the_weights_again_and_the_workers_go_on():
     """A worker's ``EngineRestarted`` reaches the trainer's ``take``; the loop then pushes the
     current weights (``wait=True``), which lets the workers redo their chunk."""
     import pytest
-    from miles import EngineRestarted, SamplingParams
+    from miles import EngineRestarted
     from miles.testing import make_group
 
     calls = {"rollout": 0, "push": 0}
@@ -40,12 +43,10 @@ def test_a_restarted_engine_is_pushed_the_weights_again_and_the_workers_go_on():
         calls["push"] += 1
         return {"weight_sync_seconds": 0.0}
 
-    loop = SimpleNamespace(
-        cfg=SimpleNamespace(rollout=RolloutConfig(batch_size=2, n=2, async_workers=1)), version=0, seed=0,
-        params=SamplingParams(), train_tasks=[make_group([0.0]).task for _ in range(8)], rollout=rollout,
-        keep=lambda g: True, p=SimpleNamespace(engine=None, transport=SimpleNamespace(sync=sync),
-                                                algorithm=SimpleNamespace(uses_rollout=True)))
-    mode = AsyncMode(loop)
+    service = SimpleNamespace(run=rollout, keep=lambda g: True, metrics=lambda samples: {})
+    ctx = ModeContext(None, RolloutConfig(batch_size=2, n=2), service, SimpleNamespace(sync=sync), [],
+                      [make_group([0.0]).task for _ in range(8)], SamplingParams(), 0, True, False)
+    mode = AsyncMode(AsyncConfig(async_workers=1), ctx)
     try:
         with pytest.raises(EngineRestarted):
             mode.take(None, None)

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import miles_wire as W
 from miles import MilesError
+from miles.protocols import ReceivesWeights, ServerGroup
 
 from .config import BroadcastSyncConfig
 
@@ -61,11 +62,11 @@ class BroadcastTransport:
         self._works = [[], []]
         limit = self.cfg.bucket_mb << 20
         try:
-            if self._group is not None and not self._broken and self._members == _members(engines):
+            if self._group is not None and not self._broken and self._members == W.members(engines):
                 ahead = self._announce(version)  # before the first bucket is gathered
             # a small first bucket: the wire starts while the rest is gathered and packed
             for bucket in W.buckets(W.timed(named, gather), limit, limit // 8):
-                if (self._group is None or self._broken or self._members != _members(engines)):
+                if (self._group is None or self._broken or self._members != W.members(engines)):
                     c0 = time.perf_counter()
                     self._connect(engines, bucket[0][1])
                     connect += time.perf_counter() - c0
@@ -81,7 +82,7 @@ class BroadcastTransport:
         except BaseException as e:
             self._broken = True  # its state is unknown after a failed broadcast: start afresh
             self._sequence = []
-            down = _down(engines) if isinstance(e, Exception) else []
+            down = W.servers_down(engines) if isinstance(e, Exception) else []
             if not down:
                 raise
             for _ in named:  # the other trainer ranks are still in the collective: finish it with them
@@ -131,11 +132,11 @@ class BroadcastTransport:
     def _connect(self, engines: Sequence[Any], first: Any) -> None:
         """A new group: this process is rank 0 and hosts the store; the engines take the next
         ranks in order, ``engine.num_weight_ranks`` each (a client of several servers: one per
-        server, from its ``rank_offset`` on; 1 when the attribute is absent)."""
+        server, from its ``rank_offset`` on; 1 for an engine that is not a ``ServerGroup``)."""
         self.close()
         cfg = self.cfg
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if first.is_cuda else "gloo")
-        sizes = [int(getattr(e, "num_weight_ranks", 1)) for e in engines]
+        sizes = [int(e.num_weight_ranks) if isinstance(e, ServerGroup) else 1 for e in engines]
         offsets = [1 + sum(sizes[:i]) for i in range(len(engines))]
         world = 1 + sum(sizes)
         store = W.open_store(cfg.master_address, cfg.master_port, world, is_master=True,
@@ -149,8 +150,9 @@ class BroadcastTransport:
         group = W.Calls([lambda: W.new_group(store, 0, world, name, backend, cfg.timeout_s), *joins])
         self._group = group.join(cfg.timeout_s)[0]
         self._store, self._name, self._backend, self._engines = store, name, backend, list(engines)
-        self._members = _members(engines)
-        self._accepts = all(getattr(e, "accepts_buckets", False) for e in engines)  # after the join
+        self._members = W.members(engines)
+        # after the join: a client learns there whether every server takes buckets
+        self._accepts = all(isinstance(e, ReceivesWeights) and e.accepts_buckets for e in engines)
         self._broken = False
 
     def _send(self, bucket: list, version: int, ahead: tuple | None, index: int) -> tuple[int, tuple]:
@@ -259,22 +261,3 @@ class BroadcastTransport:
             pass
         if hasattr(group, "shutdown"):
             group.shutdown()
-
-
-def _down(engines: Sequence[Any]) -> list[str]:
-    """Servers of ``engines`` that do not answer now (engines that can tell: ``servers_down``)."""
-    down = []
-    for e in engines:
-        probe = getattr(e, "servers_down", None)
-        try:
-            down += probe() if probe is not None else []
-        except Exception:  # noqa: BLE001 - a failed probe tells nothing; the push error is raised
-            pass
-    return down
-
-
-def _members(engines: Sequence[Any]) -> list[tuple[int, int]]:
-    """Who is in the group: the engines, and how often each restarted (a restarted server has
-    left every group it was in)."""
-    return [(id(e), int(getattr(e, "restarts", 0))) for e in engines]
-

@@ -117,14 +117,18 @@ def test_verify_names_the_tensor_an_engine_process_got_wrong(engine_process):
 
 
 class InProcess:
-    """An engine of ``ranks`` servers joining from threads of this process; it records its calls
-    and refuses every bucket."""
+    """An engine of ``ranks`` servers (a ``ServerGroup``) joining from threads of this process; it
+    records its calls and refuses every bucket."""
 
     remote = True
+    restarts = 0
 
     def __init__(self, ranks=1):
         self.num_weight_ranks = ranks
         self.calls, self.groups = [], []
+
+    def servers_down(self):
+        return []
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name, backend):

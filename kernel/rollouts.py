@@ -1,0 +1,106 @@
+"""Rank 0's rollout service (tasks -> rewarded groups) and the narrow view a run mode gets."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .types import Group, SamplingParams, Sample, Status, Task
+
+
+class RolloutService:
+    """Generates groups: custom ``miles_rollout`` hooks first, every task nobody claims in one
+    call of the ``rollout.name`` component; then rewards (``miles_reward``, else a reward the
+    rollout set, else the env's verifier). A reward that is not a finite number excludes its
+    sample from training (``loss_mask`` zeroed, ``Status.FAILED``) and is reported once per source."""
+
+    def __init__(self, pm: Any, rollout: Any, engine: Any, env: Any, tokenizer: Any, algorithm: Any,
+                 console: Callable[[str], None] = print) -> None:
+        self.pm, self.rollout, self.engine, self.env = pm, rollout, engine, env
+        self.tokenizer, self.algorithm, self.console = tokenizer, algorithm, console
+        # the plugin of the default rollout (single_turn) also gives miles_rollout's trylast default,
+        # for callers outside a run; a run batches the tasks no hook claims into its own component
+        default, impls = pm.registry("rollouts").get("single_turn"), pm.hook.miles_rollout.get_hookimpls()
+        own = [i.plugin for i in impls if default is not None and pm.describe(i.plugin) == default.plugin]
+        custom = len(impls) > len(own)
+        self._custom = pm.subset_hook_caller("miles_rollout", remove_plugins=own) if custom else None
+        self._reported: set[str] = set()
+        self.invalid_rewards = 0
+
+    def run(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
+        out: dict[int, list[Sample]] = {}
+        ctx = {"engine": self.engine, "env": self.env, "tokenizer": self.tokenizer, "params": params}
+        if self._custom is not None:
+            for i, task in enumerate(tasks):
+                samples = self._custom(task=task, n=n, **ctx)
+                if samples is not None:
+                    out[i] = samples
+        pending = [i for i in range(len(tasks)) if i not in out]
+        if pending:
+            out.update(zip(pending, self.rollout.generate([tasks[i] for i in pending], n, **ctx)))
+        groups = [Group(t, out[i]) for i, t in enumerate(tasks)]
+        for sample in (s for g in groups for s in g.samples):
+            self.score(sample)
+        return groups
+
+    def keep(self, group: Group) -> bool:
+        """The algorithm's own filter and every ``miles_filter`` (any ``False`` drops the group)."""
+        return self.algorithm.keep(group) and False not in self.pm.hook.miles_filter(group=group)
+
+    def score(self, s: Sample) -> None:
+        r, source = self.pm.hook.miles_reward(sample=s), None
+        if r is None and s.reward is not None:
+            r, source = s.reward, "the rollout"
+        elif r is None:
+            r, source = self.env.reward(s), "the env's verifier"
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            source = source or _reward_source(self.pm, s)  # asked again only on this rare path
+            self.invalid_rewards += 1
+            if source not in self._reported:
+                self._reported.add(source)
+                self.console(f"warning: {source} returned the reward {r!r} (not a finite number); "
+                             f"such samples are excluded from training (metric rewards_invalid)")
+            s.reward, s.status, s.loss_mask = 0.0, Status.FAILED, [0] * len(s.loss_mask or [])
+            return
+        s.reward = float(r)
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """The rollout component's own step metrics (e.g. ``turns_mean``), if it has any."""
+        from .protocols import RolloutMetrics
+
+        m = self.rollout.metrics(samples) if isinstance(self.rollout, RolloutMetrics) else {}
+        count, self.invalid_rewards = self.invalid_rewards, 0
+        return {**m, "rewards_invalid": float(count)} if count else dict(m)
+
+
+def _reward_source(pm: Any, s: Sample) -> str:
+    """Which ``miles_reward`` implementation answers first for ``s`` (pluggy's call order)."""
+    for impl in reversed(pm.hook.miles_reward.get_hookimpls()):
+        plain = not (impl.wrapper or impl.hookwrapper)
+        if plain and impl.function(*[{"sample": s}[a] for a in impl.argnames]) is not None:
+            return f"plugin {pm.describe(impl.plugin)} (miles_reward)"
+    return "a miles_reward plugin"
+
+
+@dataclass
+class ModeContext:
+    """What a run mode (``miles.protocols.Mode``) receives: no loop, only what it uses.
+    ``rollouts`` (the ``Rollouts`` service) and ``engines`` exist on trainer rank 0 only."""
+
+    settings: Any  # the mode's own schema's settings (from the rollout section), or None
+    rollout: Any  # the kernel's RolloutConfig: batch_size, n, oversample_rounds, ...
+    rollouts: RolloutService | None
+    transport: Any
+    engines: list[Any]
+    train_tasks: list[Task]
+    params: SamplingParams
+    seed: int
+    uses_rollout: bool
+    remote: bool  # the engines run in other processes (they serialise requests and updates)
+    version_fn: Callable[[], int] = field(repr=False, default=lambda: 0)
+    console: Callable[[str], None] = field(repr=False, default=print)
+
+    @property
+    def version(self) -> int:
+        """The trainer's current weight version (it moves while a mode's workers run)."""
+        return self.version_fn()

@@ -1,0 +1,69 @@
+"""The processes of a server started in its own session (``start_new_session=True``), and
+stopping all of them: what the server started in turn (daemons, containers' tools) is in that
+session too, so nothing of it outlives the stop."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["kill_until_gone", "session_pids", "stop_session", "venv_from_script"]
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
+            out.append(int(stat.parent.name))
+    return out
+
+
+def stop_session(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGINT the session leader ``proc`` (it stops its own children cleanly if it can), wait up
+    to ``grace_s``, then SIGKILL whatever is left in its session."""
+    sid = proc.pid
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_until_gone(lambda: session_pids(sid), rounds=2)
+    if proc.poll() is None:
+        proc.wait(5)
+
+
+def kill_until_gone(find: Callable[[], list[int]], rounds: int = 3) -> None:
+    """SIGKILL the processes ``find()`` lists, again while it still lists some (a daemon may fork
+    once more while the first kills land), at most ``rounds`` times."""
+    for _ in range(rounds):
+        pids = find()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not pids:
+            break
+        time.sleep(0.5)
+
+
+def venv_from_script(script: Path, timeout_s: float = 1800) -> Path:
+    """The virtualenv a ``make_venv.sh`` builds (once; cached) and names on its last line of stdout."""
+    from miles import MilesError  # public error type: the CLI prints it without a traceback
+
+    try:
+        p = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise MilesError(f"{script} did not finish in {timeout_s:.0f}s") from None
+    if p.returncode != 0:
+        raise MilesError(f"{script} failed (exit {p.returncode}): {p.stderr[-1500:]}")
+    return Path(p.stdout.strip().splitlines()[-1])

@@ -1,0 +1,14 @@
+"""The run folder on disk (``run.out_dir``): checkpoints, ``metrics.jsonl`` and durable writes.
+
+A library, not a plugin: the kernel's loop and CLI call it, and plugins that write files which
+must survive a crash (``write_atomic``, ``fsync_path``) may too. Modules: ``files`` (durable
+writes, full-disk errors), ``checkpoint`` (atomic checksummed checkpoints, resume checks),
+``metrics`` (the one-JSON-object-per-line metric log), ``export`` (``miles export``'s target).
+"""
+from .checkpoint import begin, check_out_dir, check_resumable, commit, damage, latest
+from .export import check_export_target, export_folder
+from .files import disk_errors, fsync_path, write_atomic
+from .metrics import MetricsLog, truncate_metrics
+
+__all__ = ["begin", "check_out_dir", "check_resumable", "commit", "damage", "latest", "check_export_target",
+           "export_folder", "disk_errors", "fsync_path", "write_atomic", "MetricsLog", "truncate_metrics"]

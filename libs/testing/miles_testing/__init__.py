@@ -1,0 +1,79 @@
+"""Pytest helpers for plugin authors: a fresh plugin manager, sample/group factories, a tiny model.
+
+Import them as ``miles.testing`` (the kernel re-exports this library there) or ``miles_testing``;
+in a ``conftest.py``, ``from miles.testing import *  # noqa`` also brings the fixture.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any, Sequence
+
+import pytest
+
+from miles import Group, Sample, Task, make_plugin_manager
+
+__all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration"]
+
+
+@pytest.fixture
+def plugin_manager() -> Any:
+    """A fresh plugin manager with every installed plugin (none shared between tests)."""
+    return make_plugin_manager()
+
+
+def make_group(rewards: list[float], prompt_ids: Sequence[int] = (1, 2), response_len: int = 3,
+               task: Task | None = None) -> Group:
+    """A group with one sample per reward, each with ``response_len`` response tokens."""
+    task = task or Task(prompt="p", label="l")
+    samples = [Sample(task=task, prompt_ids=list(prompt_ids), response_ids=list(range(3, 3 + response_len)),
+                      logprobs=[-1.0] * response_len, reward=r) for r in rewards]
+    return Group(task=task, samples=samples)
+
+
+def char_tokenizer(chars: str = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz") -> Any:
+    """A real Hugging Face fast tokenizer over single characters, built locally (no hub)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>")
+
+
+class TinySpec:
+    """A test-double model spec: a random tiny Qwen2 causal LM (seeded) over a given tokenizer."""
+
+    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                 intermediate: int | None = None, vocab: int | None = None):
+        self.kw = dict(hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads)
+        self.seed, self.vocab = seed, vocab
+
+    def build_tokenizer(self, default: Any = None) -> Any:
+        return default or char_tokenizer()
+
+    def build_model(self, tokenizer: Any) -> Any:
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(self.seed)
+        cfg = Qwen2Config(vocab_size=self.vocab or len(tokenizer), max_position_embeddings=128,
+                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id, **self.kw)
+        return Qwen2ForCausalLM(cfg).eval()
+
+
+def assert_lazy_registration(module: str, kind: str, name: str) -> None:
+    """In a fresh interpreter with only ``module`` as a plugin: it registers component ``name``
+    of ``kind`` (e.g. ``"engines"``) without importing torch (so ``miles plugins`` stays fast)."""
+    code = (f"import sys; from miles import make_plugin_manager; "
+            f"pm = make_plugin_manager(extra=[{module!r}], autoload=False); "
+            f"assert {name!r} in pm.registry({kind!r}), 'not registered'; "
+            f"assert 'torch' not in sys.modules, 'torch imported at registration'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,15 @@
+"""Algorithm ``flow-grpo``: GRPO over the denoising steps of flow-matching image samples."""
+from miles import hookimpl
+
+
+@hookimpl
+def miles_register_algorithms(register):
+    from .config import FlowGRPOConfig
+
+    register("flow-grpo", _make, config=FlowGRPOConfig)
+
+
+def _make(cfg, **_):
+    from .algorithm import FlowGRPO
+
+    return FlowGRPO(cfg)

@@ -1,0 +1,179 @@
+"""Hugging Face config -> megatron-core ``GPTModel`` (local layer spec, no Transformer Engine).
+
+``Arch`` is the handful of facts the builder and the weight converter need, read once from a
+Hugging Face config of a supported family (Llama, Qwen2, Qwen3, Qwen3-MoE).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from miles import MilesError
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class Arch:
+    family: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    max_positions: int
+    eps: float
+    rope_theta: float
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    experts: int = 0  # 0 = dense
+    topk: int = 0
+    moe_ffn: int = 0
+    norm_topk: bool = True
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron's vocab-parallel embedding needs rows divisible by the TP size."""
+        return -(-self.vocab // tp) * tp
+
+
+def arch_of(hf: Any) -> Arch:
+    """The ``Arch`` of a transformers ``PretrainedConfig``; unsupported features are errors."""
+    family = getattr(hf, "model_type", None)
+    if family not in FAMILIES:
+        raise MilesError(f"trainer megatron: model_type {family!r} is not supported (supported: "
+                         f"{', '.join(FAMILIES)}); use trainer.name=fsdp2 for other architectures")
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise MilesError(f"trainer megatron: rope scaling {rope.get('rope_type') or rope.get('type')!r} "
+                         f"is not supported (only plain RoPE)")
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    heads = hf.num_attention_heads
+    experts = getattr(hf, "num_experts", 0) if family == "qwen3_moe" else 0
+    if experts and (getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1):
+        raise MilesError("trainer megatron: Qwen3-MoE with dense layers (mlp_only_layers, "
+                         "decoder_sparse_step != 1) is not supported")
+    return Arch(
+        family=family, num_layers=hf.num_hidden_layers, hidden=hf.hidden_size, heads=heads,
+        kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        ffn=hf.intermediate_size, vocab=hf.vocab_size, max_positions=hf.max_position_embeddings,
+        eps=hf.rms_norm_eps, rope_theta=float(theta), tied=bool(hf.tie_word_embeddings),
+        qkv_bias=family == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        experts=experts, topk=getattr(hf, "num_experts_per_tok", 0) if experts else 0,
+        moe_ffn=getattr(hf, "moe_intermediate_size", 0) if experts else 0,
+        norm_topk=bool(getattr(hf, "norm_topk_prob", True)))
+
+
+def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp: int = 1,
+                       params_dtype: torch.dtype = torch.float32) -> Any:
+    """A megatron-core ``TransformerConfig`` that computes what the Hugging Face model computes."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw: dict[str, Any] = {}
+    if arch.moe:
+        kw.update(num_moe_experts=arch.experts, moe_router_topk=arch.topk, moe_ffn_hidden_size=arch.moe_ffn,
+                  # HF: softmax over all experts, top-k, renormalise when norm_topk_prob; Megatron's
+                  # top-k-then-softmax is that renormalised form, pre-softmax the other
+                  moe_router_pre_softmax=not arch.norm_topk, moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                  moe_permute_fusion=False, moe_router_dtype="fp32")
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
+        num_query_groups=arch.kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn,
+        normalization="RMSNorm", layernorm_epsilon=arch.eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+        use_cpu_initialization=True, perform_initialization=False, **kw)
+
+
+class SDPAttention(torch.nn.Module):
+    """Causal core attention by ``torch.nn.functional.scaled_dot_product_attention`` (flash /
+    memory-efficient kernels), in place of the local spec's ``DotProductAttention``, which
+    materialises every ``[S, S]`` score matrix. Rows are right-padded, so a causal mask is exact."""
+
+    def __init__(self, config: Any, layer_number: int = 0, attn_mask_type: Any = None,
+                 attention_type: str = "self", attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, **_: Any):
+        super().__init__()
+        self.config = config
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_):
+        sq, b, heads, dim = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        if k.shape[1] != heads:  # grouped-query attention: each K/V head serves heads/groups queries
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+
+def fp32_router() -> type:
+    """megatron-core's top-k router with its gating GEMM outside autocast: under bf16 autocast its
+    custom GEMM returns bf16 logits while its backward multiplies them with the fp32 weight (a
+    dtype error); outside autocast the logits are fp32 (``moe_router_dtype``) forward and back."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class FP32Router(TopKRouter):
+        def gating(self, input: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(input.device.type, enabled=False):
+                return super().gating(input)
+
+    return FP32Router
+
+
+def _submodules(builder: Any) -> Any:
+    """The submodules of a spec entry: a ``ModuleSpec`` (megatron-core 0.16) or a
+    ``functools.partial(Module, submodules=...)`` (0.19)."""
+    import functools
+
+    if isinstance(builder, functools.partial):
+        return builder.keywords.get("submodules")
+    return getattr(builder, "submodules", None)
+
+
+def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None) -> Any:
+    """The local (no Transformer Engine) GPT layer spec with SDPA core attention. ``edit``: a model
+    spec's ``megatron_layer_spec(layer_spec)`` hook, which may swap any submodule (e.g. a custom
+    router or attention output gate) before the model is built."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=arch.experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    moe = _submodules(spec.submodules.mlp) if arch.moe else None
+    if moe is not None and hasattr(moe, "router"):
+        moe.router = fp32_router()
+    return edit(spec) if edit is not None else spec
+
+
+def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True, post_process: bool = True,
+              edit: Callable[[Any], Any] | None = None, tied: bool | None = None,
+              vp_stage: int | None = None) -> Any:
+    """A megatron-core ``GPTModel`` for ``arch`` (weights uninitialised: load them from HF).
+    ``tied``: share the embedding with the output layer (default: as the HF config says);
+    ``vp_stage``: the model chunk of this rank, with interleaved (virtual) pipeline stages."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config, layer_spec(arch, edit), vocab_size=arch.padded_vocab(tp),
+                    max_sequence_length=arch.max_positions, pre_process=pre_process,
+                    post_process=post_process,
+                    share_embeddings_and_output_weights=arch.tied if tied is None else tied,
+                    position_embedding_type="rope", rotary_base=arch.rope_theta,
+                    **({"vp_stage": vp_stage} if vp_stage is not None else {}))

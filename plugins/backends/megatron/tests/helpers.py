@@ -1,0 +1,69 @@
+"""Tiny Hugging Face models of every supported family, and a model spec over them, for tests."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", "attention_bias": False},
+    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 32, "head_dim": 16},
+}
+BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "vocab_size": 101, "max_position_embeddings": 64}
+
+
+def hf_config(family: str, **over: Any) -> Any:
+    from transformers import AutoConfig
+
+    kw = {**BASE, **FAMILIES[family], **over}
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def hf_model(family: str, seed: int = 0, **over: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config(family, **over)).eval()
+
+
+class Spec:
+    """A model spec over an inline config, as the hf spec builds one."""
+
+    def __init__(self, family: str, **over: Any):
+        self.family, self.over = family, over
+
+    def build_tokenizer(self, default: Any = None) -> Any:
+        return default
+
+    def build_model(self, tokenizer: Any) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(hf_config(self.family, **self.over))
+
+
+def batch(seed: int = 1, rows: int = 4, vocab: int = 101) -> Any:
+    """Left-padded prompts and right-padded responses of different lengths."""
+    from miles import Batch, Sample, Task
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(rows):
+        p = torch.randint(1, vocab, (3 + i % 3,), generator=g).tolist()
+        r = torch.randint(1, vocab, (5 - i % 4,), generator=g).tolist()
+        samples.append(Sample(task=Task(prompt="x"), prompt_ids=p, response_ids=r, loss_mask=[1] * len(r),
+                              logprobs=[0.0] * len(r), reward=float(i % 2)))
+    return Batch.from_samples(samples, pad_id=0, advantages=[1.0 if i % 2 else -1.0 for i in range(rows)])
+
+
+def hf_logprobs(model: torch.nn.Module, b: Any) -> torch.Tensor:
+    """The HF model's ``[B, R]`` response log-probs on a padded batch."""
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                       position_ids=b.position_ids).logits[:, b.prompt_len - 1:-1].float()
+    if b.temperature != 1.0:
+        logits = logits / b.temperature
+    return logits.log_softmax(-1).gather(-1, b.input_ids[:, b.prompt_len:, None])[..., 0]

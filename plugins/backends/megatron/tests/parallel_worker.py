@@ -1,0 +1,125 @@
+"""One rank of a 2-rank CPU run (gloo) of the megatron trainer, started by test_parallel.py
+through torch.distributed.run, with the TEST-ONLY CPU shim: Qwen2 at tensor_parallel=2 (with a
+critic), Qwen3-MoE at expert_parallel=2 (so data-parallel 2), then Qwen2 at pipeline_parallel=2
+and at pipeline_parallel=2 with 2 virtual stages per rank (4 layers; both with a critic), and
+Qwen3-MoE with routing replay at pipeline_parallel=2 and at expert_parallel=2.
+Writes what it measured to ``OUT/{tag}_rank{R}.pt`` and a checkpoint after one training step to
+``OUT/ckpt_{tag}``; at TP=2 it also resumes ``OUT/ckpt_tp1``, written on one rank."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cpu_shim  # noqa: E402
+from helpers import Spec, batch, hf_logprobs  # noqa: E402
+
+
+# tag: tensor, expert, pipeline, virtual pipeline sizes
+CASES = {"qwen2": (2, 1, 1, 1), "qwen3_moe": (1, 2, 1, 1), "qwen2_pp2": (1, 1, 2, 1), "qwen2_vpp2": (1, 1, 2, 2)}
+LAYERS = {"qwen2_vpp2": 4}  # two virtual stages per rank: 4 chunks of one layer
+
+
+def spec(tag: str) -> Spec:
+    """The tiny HF model of a case (its family, its layer count)."""
+    family = tag.removesuffix("_pp2").removesuffix("_vpp2")
+    return Spec(family, **({"num_hidden_layers": LAYERS[tag]} if tag in LAYERS else {}))
+
+
+def main(out: str, device: str = "cpu", only: str | None = None) -> None:
+    if device == "cpu":
+        cpu_shim.install(pytest.MonkeyPatch())
+    for tag, sizes in CASES.items():
+        if only in (None, tag):
+            run(out, tag, *sizes, device=device)
+    for tag, sizes in R3_CASES.items():
+        if only in (None, tag):
+            run_r3(out, tag, *sizes, device=device)
+
+
+R3_CASES = {"r3_pp2": (2, 1), "r3_ep2": (1, 2)}  # tag: pipeline, expert parallel sizes
+
+
+def run_r3(out: str, tag: str, pp: int, ep: int, device: str = "cpu") -> None:
+    """Qwen3-MoE with rollout routing replay at pipeline_parallel=2 (each stage's routers replay
+    their own layers' records: megatron-core numbers layers across stages) or at expert_parallel=2
+    x data-parallel 2 (each rank replays its own rows' records before the token all-gather)."""
+    from miles_plugin_megatron.config import MegatronConfig
+    from miles_plugin_megatron.trainer import MegatronTrainer
+    from replay_helpers import Tok, r3_spec, record
+
+    spec = r3_spec()
+    cfg = MegatronConfig(device=device, precision="fp32", pipeline_parallel=pp, expert_parallel=ep,
+                         micro_batch_size=2 if pp > 1 else None)
+    tr = MegatronTrainer(cfg, spec=spec, tokenizer=Tok(), seed=0, total_steps=10)
+    b = batch(rows=5)
+    record(b, skip=(1,))
+    hf = spec.build_model(Tok()).eval()
+    hf.load_state_dict({k: v.cpu() for k, v in tr.named_weights()})
+    with torch.no_grad():
+        want = spec.action_logprobs(hf, b)  # the fsdp2 path: the spec's replaying forward
+    torch.save({"lp": tr.logprobs(b), "want": want, "plain": hf_logprobs(hf, b), "mask": b.loss_mask},
+               f"{out}/{tag}_rank{tr.rank}.pt")
+
+
+def run(out: str, tag: str, tp: int, ep: int, pp: int, vp: int, device: str = "cpu") -> None:
+    from miles_plugin_megatron.config import MegatronConfig
+
+    cfg = MegatronConfig(device=device, precision="fp32", tensor_parallel=tp, expert_parallel=ep,
+                         pipeline_parallel=pp, virtual_pipeline_parallel=vp,
+                         micro_batch_size=2 if pp > 1 else None, lr=1e-3, grad_clip=None)
+    tr = make(cfg, tag, critic=tag.startswith("qwen2"))
+    b = batch(rows=5)
+    hf = spec(tag).build_model(None).eval()
+    torch.manual_seed(0)
+    init = spec(tag).build_model(None).state_dict()  # the seed-0 weights every rank started from
+    exported = {k: v.cpu() for k, v in tr.named_weights()}
+    hf.load_state_dict(exported)
+    res = {"export_equal": all(torch.equal(exported[k], v) for k, v in init.items()) and set(exported) == set(init),
+           "lp_diff": float(((tr.logprobs(b) - hf_logprobs(hf, b)) * b.loss_mask).abs().max()),
+           "local_qkv_rows": next(v.shape[0] for k, v in tr.model.state_dict().items()
+                                  if k.endswith("layers.0.self_attention.linear_qkv.weight"))}
+    m = tr.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+    res.update(loss=m["loss"], grad_norm=m["grad_norm"], after=tr.logprobs(b),
+               weights={k: v.cpu() for k, v in tr.named_weights()})
+    res["local_names"] = sorted(tr.model.state_dict())
+    if tag.startswith("qwen2"):  # the critic (TP=2, PP=2, virtual stages): values, one step, values again
+        res["values"] = critic_step(tr, b)
+        res["values_after"] = tr.values(b)
+    tr.save(f"{out}/ckpt_{tag}")
+    if tag == "qwen2" and Path(f"{out}/ckpt_tp1").exists():  # a checkpoint written on one rank, at TP=2
+        again = make(cfg, tag, seed=3)
+        again.load(f"{out}/ckpt_tp1")
+        res["from_tp1"] = again.logprobs(b)
+    torch.save(res, f"{out}/{tag}_rank{tr.rank}.pt")
+
+
+def make(cfg, tag: str, seed: int = 0, critic: bool = False):
+    """A trainer of a case's model as a run makes it (with a critic: as for an algorithm that needs one)."""
+    from types import SimpleNamespace
+
+    from miles_plugin_megatron import _make
+
+    algo = SimpleNamespace(needs_critic=critic, critic_lr=1e-2)
+    return _make(cfg, spec=spec(tag), tokenizer=None, seed=seed, total_steps=10, algorithm=algo)
+
+
+def critic_step(tr, b) -> torch.Tensor:
+    """A random value head (the same on every rank), its values, then one critic step."""
+    tr.build_critic()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        tr.critic.head.weight.normal_()
+    values = tr.values(b)
+    b.extras["returns"] = torch.ones_like(b.loss_mask)
+    tr.train_critic(b, value_mse)
+    return values
+
+
+def value_mse(mb, v):
+    return ((v - mb.extras["returns"]) ** 2 * mb.loss_mask).sum() / mb.global_tokens, {}
+
+
+if __name__ == "__main__":  # OUT [DEVICE [TAG]]
+    main(*sys.argv[1:])

@@ -1,0 +1,182 @@
+"""Two gloo ranks on CPU (torch.distributed.run): tensor_parallel=2 (Qwen2, with the critic),
+expert_parallel=2 with data-parallel 2 (Qwen3-MoE), pipeline_parallel=2 (Qwen2, with the critic),
+pipeline_parallel=2 with two virtual stages per rank (4-layer Qwen2, with the critic) and routing
+replay at pipeline_parallel=2 and at expert_parallel=2 (Qwen3-MoE). Each builds the model from the
+same HF weights, exports them bit-exactly, computes the HF log-probs, takes the same optimizer step
+as one rank does, and writes a checkpoint that resumes on one rank."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import batch
+from miles_plugin_megatron.config import MegatronConfig
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parallel")
+    one_rank_checkpoint(out)  # the TP=2 ranks resume it
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-port", "29517", str(HERE / "parallel_worker.py"), str(out)],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    return out
+
+
+def one_rank_checkpoint(out: Path) -> None:
+    """A Qwen2 checkpoint written on one rank after one step (``OUT/ckpt_tp1``) and the log-probs
+    it gives (``OUT/tp1_after.pt``)."""
+    import cpu_shim
+
+    mp = pytest.MonkeyPatch()
+    cpu_shim.install(mp)
+    try:
+        from parallel_worker import make
+
+        tr = make(MegatronConfig(device="cpu", precision="fp32", lr=1e-3, grad_clip=None), "qwen2")
+        b = batch(rows=5)
+        tr.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+        tr.save(str(out / "ckpt_tp1"))
+        torch.save(tr.logprobs(b), out / "tp1_after.pt")
+    finally:
+        from miles_plugin_megatron import parallel
+
+        parallel.destroy()
+        mp.undo()
+
+
+def against_one_rank(out: Path, tag: str, device: str = "cpu") -> list[dict]:
+    """Rank results vs the same step on one rank, and the checkpoint resumed on one rank."""
+    import cpu_shim
+
+    critic = tag.startswith("qwen2")
+    ranks = [torch.load(out / f"{tag}_rank{r}.pt", weights_only=False, map_location="cpu") for r in range(2)]
+    for r in ranks:
+        assert r["export_equal"]
+        assert r["lp_diff"] < 1e-5
+    assert torch.equal(ranks[0]["after"], ranks[1]["after"])
+    mp = pytest.MonkeyPatch()
+    if device == "cpu":
+        cpu_shim.install(mp)
+    try:
+        from parallel_worker import critic_step, make
+
+        cfg = MegatronConfig(device=device, precision="fp32", lr=1e-3, grad_clip=None)
+        one = make(cfg, tag, critic=critic)
+        b = batch(rows=5)
+        m = one.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+        assert abs(m["loss"] - ranks[0]["loss"]) < 1e-6
+        assert abs(m["grad_norm"] - ranks[0]["grad_norm"]) < 1e-4
+        mine = {k: v.cpu() for k, v in one.named_weights()}
+        for k, v in ranks[0]["weights"].items():
+            assert (mine[k] - v).abs().max() < 1e-5, k
+        if critic:  # the critic at TP=2 / PP=2 computes and learns as on one rank
+            assert (critic_step(one, b) - ranks[0]["values"]).abs().max() < 1e-4
+            assert ranks[0]["values"].abs().max() > 0.1
+            assert (one.values(b) - ranks[0]["values_after"]).abs().max() < 1e-4
+        # the checkpoint written at TP=2 (EP=2 x DP=2, PP=2) through dist_checkpointing, read on one rank
+        resumed = make(cfg, tag, seed=3, critic=critic)
+        resumed.load(str(out / f"ckpt_{tag}"))
+        assert (resumed.logprobs(b) - ranks[0]["after"]).abs().max() < 1e-5
+        m1 = one.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+        m2 = resumed.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+        assert abs(m1["loss"] - m2["loss"]) < 1e-5  # the AdamW moments and step came back too
+        assert (resumed.logprobs(b) - one.logprobs(b)).abs().max() < 1e-4
+        if critic:
+            assert (resumed.values(b) - ranks[0]["values_after"]).abs().max() < 1e-4
+    finally:
+        from miles_plugin_megatron import parallel
+
+        parallel.destroy()
+        mp.undo()
+    return ranks
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2(two_ranks):
+    ranks = against_one_rank(two_ranks, "qwen2")  # GQA + QKV bias, tied, odd vocabulary (padded)
+    want = torch.load(two_ranks / "tp1_after.pt")  # a one-rank checkpoint resumed at TP=2
+    assert all((r["from_tp1"] - want).abs().max() < 1e-5 for r in ranks)
+    assert ranks[0]["local_qkv_rows"] == (8 + 2 * 4) * 8 // 2  # half the KV groups with their queries
+
+
+@pytest.mark.slow
+def test_expert_parallel_2_data_parallel_2(two_ranks):
+    ranks = against_one_rank(two_ranks, "qwen3_moe")
+    experts = [n for n in ranks[0]["local_names"]
+               if n.startswith("decoder.layers.0.mlp.experts.") and n.endswith(".weight")]
+    assert len(experts) == 2 * 2  # 2 of the 4 experts per rank, fc1 and fc2 each
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_2(two_ranks):
+    """Two stages (one decoder layer each, tied embeddings: a copy on each end) through megatron-core's
+    1F1B schedule over gloo: log-probs, the training step, the export, the critic (values and a
+    step through the same schedule) and the checkpoint (critic included) as on one rank."""
+    ranks = against_one_rank(two_ranks, "qwen2_pp2")
+    assert {n.split(".")[0] for n in ranks[0]["local_names"]} == {"embedding", "decoder"}
+    assert "output_layer.weight" in ranks[1]["local_names"] and "embedding" not in str(ranks[1]["local_names"])
+    assert not any(n.startswith("decoder.layers.1.") for r in ranks for n in r["local_names"])
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_stages(two_ranks):
+    """Two ranks, two virtual stages each (4 layers: rank 0 runs layers 0 and 2, rank 1 layers 1
+    and 3) through megatron-core's interleaved 1F1B schedule: log-probs, the training step, the
+    export, the critic and the checkpoint (resumed without pipeline stages) as on one rank."""
+    ranks = against_one_rank(two_ranks, "qwen2_vpp2")
+    assert {n.split(".")[0] for n in ranks[0]["local_names"]} == {"chunks"}
+    assert "chunks.0.embedding.word_embeddings.weight" in ranks[0]["local_names"]
+    assert "chunks.1.output_layer.weight" in ranks[1]["local_names"]  # the tied embedding's copy
+    for r in ranks:  # one layer per chunk
+        assert not any(".layers.1." in n for n in r["local_names"])
+        assert any(n.startswith("chunks.1.decoder.layers.0.") for n in r["local_names"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tag", ["r3_pp2", "r3_ep2"])
+def test_routing_replay_across_pipeline_stages_and_expert_ranks(two_ranks, tag):
+    """R3 at pipeline_parallel=2 (the second stage's routers replay the second layer's records) and
+    at expert_parallel=2 x data-parallel 2 (each rank's rows, one topped up with a copy): the
+    log-probs are the fsdp2 path's (the moe spec's replaying forward), which differ from plain
+    routing."""
+    for r in range(2):
+        res = torch.load(two_ranks / f"{tag}_rank{r}.pt")
+        mask = res["mask"]
+        assert ((res["lp"] - res["want"]) * mask).abs().max() < 1e-5
+        assert ((res["want"] - res["plain"]) * mask).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["trainer.tensor_parallel=2"],
+                                    ["trainer.pipeline_parallel=2", "trainer.micro_batch_size=8"]],
+                         ids=["tp2", "pp2"])
+def test_miles_train_two_ranks(tmp_path, layout):
+    """``miles train`` with trainer.world_size=2 at tensor_parallel=2 or pipeline_parallel=2: the
+    local launcher starts the ranks, each loads the CPU stand-ins as a launch-time plugin; the
+    engine in rank 0 gets the gathered weights (its log-probs equal the trainer's). Resuming such a
+    checkpoint on one rank is covered through the trainer API above."""
+    import json
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "model: {name: hf, config: {model_type: qwen2, hidden_size: 64, intermediate_size: 128, "
+        "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+        "max_position_embeddings: 32, tie_word_embeddings: true}}\n"
+        "env: {name: arith, digits: 2, eval_size: 16}\n"
+        "rollout: {batch_size: 8, n: 4, temperature: 1.0, max_new_tokens: 4}\n"
+        "engine: {name: torch}\nalgorithm: {name: grpo, filter_zero_variance: false}\n"
+        "trainer: {name: megatron, device: cpu, precision: fp32, lr: 1.0e-3}\nsync: {name: tensor}\n"
+        f"run: {{steps: 2, out_dir: {tmp_path / 'out'}, eval_every: 2, checkpoint_every: 2, threads: 2}}\n")
+    base = [sys.executable, "-m", "miles.cli", "train", str(cfg), "--plugin", str(HERE / "cpu_shim_plugin.py"),
+            "--plugin", str(HERE / "even_token_reward.py")]
+    subprocess.run(base + ["trainer.world_size=2", *layout], check=True, timeout=600)
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["grad_norm"] > 0 for r in steps)
+    assert (tmp_path / "out" / "checkpoints" / "step_000002" / "trainer" / "metadata.json").exists()
+    assert max(r["train_rollout_logprob_abs_diff"] for r in steps) < 1e-5

@@ -1,0 +1,230 @@
+"""FP8 rollout weights (``engine.weights_dtype: fp8``): blockwise e4m3 linear and expert weights.
+
+The trainer keeps its master weights; when they reach the engine, each linear layer's weight is
+quantized in 128x128 blocks to ``float8_e4m3fn`` with one float32 scale per block, stored as
+``<name>.weight`` and ``<name>.weight_scale_inv`` (Hugging Face's FP8 naming: ``weight ≈
+fp8 * weight_scale_inv`` blockwise). Mixture-of-experts blocks that keep their experts as 3-D
+tensors (``experts.gate_up_proj [experts, 2 * inter, hidden]``, ``experts.down_proj [experts,
+hidden, inter]``) are quantized per expert the same way, with Hugging Face's expert naming
+(``experts.gate_up_proj_scale_inv [experts, out blocks, in blocks]``); the fused gate/up tensor is
+blocked per half, as a checkpoint of separate gate and up weights is. GEMMs (``engine.fp8_gemm``):
+``scaled_mm`` runs them as FP8 GEMMs (``torch._scaled_mm``) with the activations quantized per
+token and 128-column group (1x128 e4m3, the layout of blockwise FP8 inference in DeepSeek-V3 and
+SGLang), one GEMM per 128-column group of the weight with rowwise scales; ``dequantized`` runs them
+on the weights dequantized to the activations' dtype (weight-only FP8). Embeddings, norms, routers and the output
+head stay in the engine's dtype, as in FP8 checkpoints. Weights that arrive already quantized (an
+fp8 tensor and its ``*_scale_inv``) are taken as they are.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_blockwise(w: torch.Tensor, block: int = BLOCK, halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8, weight_scale_inv float32)`` of a 2-D weight ``[N, K]`` (scales ``[ceil(N/block),
+    ceil(K/block)]``) or of 3-D expert weights ``[E, N, K]``, each expert on its own (scales ``[E,
+    ceil(N/block), ceil(K/block)]``). ``halves=2`` blocks the two halves of ``N`` (a fused gate/up
+    weight) separately: ``2 * ceil(N/2/block)`` scale rows. Edge blocks (shapes not multiples of
+    ``block``) get their own scale from their own values."""
+    if w.dim() not in (2, 3):
+        raise ValueError(f"blockwise FP8 needs a 2-D weight or 3-D expert weights, got shape {tuple(w.shape)}")
+    lead, (N, K) = w.shape[:-2], w.shape[-2:]
+    if N % halves:
+        raise ValueError(f"blockwise FP8: {N} rows do not split into {halves} halves")
+    q, scale = _quantize(w.reshape(-1, N // halves, K), block)
+    return q.reshape(w.shape), scale.reshape(*lead, halves * scale.shape[-2], scale.shape[-1])
+
+
+def _quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise e4m3 of ``x [G, N, K]``: one scale per (matrix, block)."""
+    G, N, K = x.shape
+    nb, kb = -(-N // block), -(-K // block)
+    padded = F.pad(x.float(), (0, kb * block - K, 0, nb * block - N))
+    blocks = padded.view(G, nb, block, kb, block)
+    amax = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12)
+    scale = amax / E4M3_MAX  # an all-zero block keeps a tiny scale and quantizes to zeros
+    q = (blocks / scale[:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(G, nb * block, kb * block)[:, :N, :K].contiguous(), scale
+
+
+def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                         block: int = BLOCK, halves: int = 1) -> torch.Tensor:
+    """The weight ``q * scale_inv`` (each scale repeated over its block), in ``dtype``; the
+    inverse layout of :func:`quantize_blockwise` (2-D or 3-D, ``halves`` as there)."""
+    N, K = q.shape[-2:]
+    x = q.reshape(-1, N // halves, K)
+    s = scale_inv.reshape(x.shape[0], -1, scale_inv.shape[-1])
+    full = s.repeat_interleave(block, -2)[:, :N // halves].repeat_interleave(block, -1)[:, :, :K]
+    return (x.float() * full).to(dtype).reshape(q.shape)
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """FP8 GEMMs: CPU (torch >= 2.x has a reference kernel) and CUDA devices of compute capability >= 8.9."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``x [T, K] @ W.T`` for the blockwise FP8 weight ``W = q [N, K] * scale_inv`` on FP8 GEMMs:
+    ``x`` is quantized per token and ``block``-column group; each group is one ``torch._scaled_mm``
+    with rowwise scales (the token's scale, and each output row's block scale), summed in float32."""
+    T, K = x.shape
+    N = q.shape[0]
+    out_dtype = torch.bfloat16 if x.is_cuda else torch.float32  # CUDA's rowwise scaling wants bf16 out
+    acc = torch.zeros(T, N, dtype=torch.float32, device=x.device)
+    for j in range(-(-K // block)):
+        cols = slice(j * block, min((j + 1) * block, K))
+        xs = x[:, cols].float()
+        sa = xs.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+        xq = (xs / sa).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        sb = scale_inv[:, j].repeat_interleave(block)[:N].reshape(1, N).float()
+        acc += torch._scaled_mm(xq, q[:, cols].contiguous().t(), scale_a=sa, scale_b=sb,
+                                out_dtype=out_dtype).float()
+    return acc.to(x.dtype)
+
+
+class _Quantized(torch.nn.Module):
+    """FP8 buffers ``<attr>`` and ``<attr>_scale_inv`` for each attribute in ``HALVES``; ``gemm``
+    (``scaled_mm`` or ``dequantized``) says how the layer multiplies by them."""
+
+    HALVES: dict[str, int] = {}
+    gemm = "dequantized"
+
+    def matmul(self, x: torch.Tensor, attr: str, index: int | None = None) -> torch.Tensor:
+        """``x @ W.T`` for the FP8 weight ``attr`` (expert ``index`` of 3-D expert weights)."""
+        if self.gemm != "scaled_mm":
+            return F.linear(x, self.dequantized(attr, x.dtype, index))
+        q, s = getattr(self, attr), getattr(self, attr + "_scale_inv")
+        if index is not None:
+            q, s = q[index], s[index]
+        halves = self.HALVES[attr]
+        if halves == 1:
+            return fp8_linear(x, q, s)
+        n = q.shape[0] // halves  # each half has its own block rows (a fused gate/up weight)
+        rows = s.shape[0] // halves
+        return torch.cat([fp8_linear(x, q[h * n:(h + 1) * n], s[h * rows:(h + 1) * rows]) for h in range(halves)], -1)
+
+    def _store(self, attr: str, w: torch.Tensor) -> None:
+        q, s = quantize_blockwise(w.detach(), halves=self.HALVES[attr])
+        if hasattr(self, attr) and isinstance(getattr(self, attr), torch.Tensor):
+            getattr(self, attr).copy_(q)
+            getattr(self, attr + "_scale_inv").copy_(s)
+        else:
+            self.register_buffer(attr, q)
+            self.register_buffer(attr + "_scale_inv", s)
+
+    @torch.no_grad()
+    def quantize_into(self, attr: str, w: torch.Tensor) -> None:
+        self._store(attr, w.to(getattr(self, attr).device))
+
+    def dequantized(self, attr: str, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+        q, s = getattr(self, attr), getattr(self, attr + "_scale_inv")
+        if index is not None:
+            q, s = q[index], s[index]
+        return dequantize_blockwise(q, s, dtype, halves=self.HALVES[attr])
+
+
+class FP8Linear(_Quantized):
+    """``nn.Linear`` with a blockwise e4m3 weight (buffers ``weight``, ``weight_scale_inv``)."""
+
+    HALVES = {"weight": 1}
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._store("weight", linear.weight)
+        self.bias = linear.bias
+
+    def set_weight(self, w: torch.Tensor) -> None:
+        self.quantize_into("weight", w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, x.shape[-1]), "weight").reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+class FP8Experts(_Quantized):
+    """A mixture-of-experts block's experts (Qwen3-MoE / Mixtral layout: fused gate/up, then
+    down, no biases) with per-expert blockwise e4m3 weights; same call as the module it replaces:
+    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+
+    HALVES = {"gate_up_proj": 2, "down_proj": 1}
+
+    def __init__(self, experts: torch.nn.Module):
+        super().__init__()
+        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        for attr in self.HALVES:
+            self._store(attr, getattr(experts, attr))
+
+    @staticmethod
+    def fits(module: torch.nn.Module) -> bool:
+        """Whether ``module`` holds experts in the layout this class computes."""
+        return (all(isinstance(getattr(module, a, None), torch.nn.Parameter) and getattr(module, a).dim() == 3
+                    for a in FP8Experts.HALVES)
+                and hasattr(module, "act_fn") and hasattr(module, "num_experts")
+                and getattr(module, "gate_up_proj_bias", None) is None
+                and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True)
+                and getattr(module, "has_gate", True) and not getattr(module, "has_bias", False))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        dtype = hidden_states.dtype
+        for e in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == e)
+            gate, up = self.matmul(hidden_states[token], "gate_up_proj", e).chunk(2, dim=-1)
+            h = self.matmul(self.act_fn(gate) * up, "down_proj", e)
+            out.index_add_(0, token, (h * top_k_weights[token, slot, None]).to(dtype))
+        return out
+
+
+def convert(model: torch.nn.Module, gemm: str = "dequantized") -> dict[str, tuple[_Quantized, str]]:
+    """Replace the model's linear layers (not the output head) and 3-D expert weights by FP8
+    ones computing with ``gemm``, in place; returns ``{weight name: (module, attribute)}`` for the
+    weights converted."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found = [(n, m) for n, m in model.named_modules()
+             if (type(m) is torch.nn.Linear and m is not head) or FP8Experts.fits(m)]
+    layers: dict[str, tuple[_Quantized, str]] = {}
+    for name, mod in found:
+        parent_name, _, attr = name.rpartition(".")
+        fp8 = FP8Linear(mod) if isinstance(mod, torch.nn.Linear) else FP8Experts(mod)
+        fp8.gemm = gemm
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, fp8)
+        layers.update({f"{name}.{a}": (fp8, a) for a in fp8.HALVES})
+    return layers
+
+
+class FP8Weights:
+    """Incoming weights of the FP8 layers: quantized on arrival (or taken as quantized)."""
+
+    def __init__(self, layers: dict[str, tuple[_Quantized, str]]):
+        self.layers = layers
+        self.scales = {name + "_scale_inv": entry for name, entry in layers.items()}
+
+    @torch.no_grad()
+    def divert(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Loads the pairs that name FP8 weights; returns the others, for the usual copy."""
+        rest = []
+        for name, t in pairs:
+            entry, scale = self.layers.get(name), self.scales.get(name)
+            if entry is not None:
+                mod, attr = entry
+                if tuple(t.shape) != tuple(getattr(mod, attr).shape):
+                    rest.append((name, t))  # the usual copy raises its shape error
+                elif t.dtype == torch.float8_e4m3fn:
+                    getattr(mod, attr).copy_(t)
+                else:
+                    mod.quantize_into(attr, t)
+            elif scale is not None and t.shape == getattr(scale[0], scale[1] + "_scale_inv").shape:
+                getattr(scale[0], scale[1] + "_scale_inv").copy_(t)
+            else:
+                rest.append((name, t))
+        return rest

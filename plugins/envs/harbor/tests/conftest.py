@@ -1,0 +1,82 @@
+"""Servers of the integration tests: ``harbor serve`` (Harbor's own Python 3.12 venv, trials in
+podman containers from a locally built image) and ``miles serve`` with a tiny policy. Each is
+started once per test module (so none outlives its tests in a long test run), stopped after it
+and checked to be gone."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _container_runs(server) -> str:
+    """'' when podman runs a container from the base image here, else why not."""
+    from miles_plugin_harbor.launch import BASE_IMAGE, ensure_base_image, ensure_venv
+
+    server.work_dir.mkdir(parents=True, exist_ok=True)
+    env = server.environment(ensure_venv())
+    try:
+        ensure_base_image(env)
+        p = subprocess.run(["podman", "run", "--rm", BASE_IMAGE, "true"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    except Exception as e:  # noqa: BLE001 (any failure to start a container means no runtime)
+        return f"{type(e).__name__}: {e}"
+    return "" if p.returncode == 0 else p.stderr.strip()[-500:]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from miles_plugin_harbor.launch import HarborServer
+    from miles_procs import session_pids
+
+    if not (shutil.which("podman") and shutil.which("runc")):
+        pytest.skip("Harbor trials here run in podman: apt-get install podman runc")
+    s = HarborServer(free_port(), tmp_path_factory.mktemp("harbor"))
+    probe = _container_runs(s)
+    if probe:  # a host whose kernel or sandbox cannot run containers at all (not a failure of ours)
+        pytest.skip(f"podman cannot run a container on this host: {probe}")
+    sid = None
+    try:
+        s.start()
+        sid = s.proc.pid
+        yield s
+    finally:
+        s.stop()
+    if sid is not None:
+        assert session_pids(sid) == [], "harbor serve processes left behind"
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """``miles serve`` of a tiny random policy: ``{"dir": folder, "url": base URL, "proc": process}``."""
+    from miles_plugin_harbor import tiny_policy
+
+    base = tmp_path_factory.mktemp("policy")
+    folder = tiny_policy.write(base / "policy")
+    log = base / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", "0"], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(180)
+    try:
+        if not (line and "listening on http://" in line[0]):
+            pytest.fail(f"miles serve did not start: {line}; {log.read_text()[-2000:]}")
+        yield {"dir": folder, "url": line[0].strip().rsplit(" ", 1)[1], "proc": proc}
+    finally:
+        proc.kill()
+        proc.wait(30)

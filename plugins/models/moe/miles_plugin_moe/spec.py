@@ -1,0 +1,133 @@
+"""The ``moe`` model spec: the base spec's mixture-of-experts model with replayable routers.
+
+With ``routing_replay`` on (R3), the spec offers two capabilities:
+
+* ``routing_recorder(model)`` (``miles.protocols.RecordsRouting``): engines record, for every token
+  they feed through the model, the expert ids each MoE layer chose, and return them with the
+  sample as ``Sample.extensions["moe"]["routed_experts"]``: int32 ``[prompt + response - 1,
+  layers, top_k]`` (every prompt token and every response token but the last, which is never fed
+  back; SGLang's ``return_routed_experts`` layout).
+* ``action_logprobs(model, batch)`` (``ScoresActions``): the trainer's forward replays those
+  experts for prompt and response tokens alike, so the trainer computes the rollout's function.
+  Gate weights are recomputed from the trainer's own router logits over the recorded experts,
+  so the router keeps learning. A sample without a record (e.g. a demonstration) is routed as
+  usual.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+import contextlib
+from typing import Any
+
+import torch
+from miles import Batch, MilesError
+
+from .config import MoESpecConfig, resolve_base
+from .router import ReplayRouter, RoutingState, install
+
+EXTENSION = "moe"  # Sample.extensions key (the plugin id)
+
+
+def routing_state(model: torch.nn.Module) -> RoutingState:
+    """The routing state shared by ``model``'s replayable routers (copies of a model have their own)."""
+    for mod in model.modules():
+        if isinstance(mod, ReplayRouter):
+            return mod.state
+    raise MilesError(f"{type(model).__name__} was not built by the moe model spec (no replayable router)")
+
+
+def make_spec(cfg: MoESpecConfig, pm: Any = None) -> "MoESpec":
+    return (R3Spec if cfg.routing_replay else MoESpec)(cfg, pm)
+
+
+class MoESpec:
+    """A mixture-of-experts model whose routers route as usual (R3 off)."""
+
+    def __init__(self, cfg: MoESpecConfig, pm: Any = None):
+        from miles import make_plugin_manager
+
+        self.cfg = cfg
+        pm = pm if pm is not None else make_plugin_manager()
+        name, settings = resolve_base(cfg.base, pm)
+        self.base = pm.create("model_specs", name, settings, pm=pm)
+
+    def build_tokenizer(self, default: Any = None) -> Any:
+        return self.base.build_tokenizer(default)
+
+    def build_model(self, tokenizer: Any) -> torch.nn.Module:
+        model = self.base.build_model(tokenizer)
+        try:
+            install(model)
+        except ValueError as e:
+            raise MilesError(f"model.name moe: {e}") from None
+        return model
+
+    def save_pretrained(self, named_weights: Iterable[tuple[str, torch.Tensor]], tokenizer: Any,
+                        path: str) -> None:
+        # router parameters keep their Hugging Face names, so the base spec writes the folder
+        self.base.save_pretrained(named_weights, tokenizer, path)
+
+
+class RoutingRecorder:
+    """Engine side of R3: ``recording()`` logs each forward's experts, ``take()`` returns them."""
+
+    extension = EXTENSION
+
+    def __init__(self, state: RoutingState):
+        self.state = state
+
+    def recording(self) -> contextlib.AbstractContextManager:
+        return self.state.recording()
+
+    def take(self) -> list[torch.Tensor]:
+        return self.state.take()
+
+
+class R3Spec(MoESpec):
+    """A mixture-of-experts model with rollout routing replay."""
+
+    def routing_recorder(self, model: torch.nn.Module) -> RoutingRecorder:
+        return RoutingRecorder(routing_state(model))
+
+    def action_logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """``[B, R]`` log-probs of the response tokens with the recorded experts replayed."""
+        state = routing_state(model)
+        L = batch.input_ids.shape[1]
+        experts = replay_table(batch, state.num_layers, state.top_k)
+        with state.replaying(experts.view(-1, state.num_layers, state.top_k)):
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        position_ids=batch.position_ids, use_cache=False)
+        P = batch.prompt_len
+        logits = out.logits[:, P - 1:L - 1].float()
+        if batch.temperature != 1.0:
+            logits = logits / batch.temperature
+        targets = batch.input_ids[:, P:]
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def replay_table(batch: Batch, layers: int, top_k: int) -> torch.Tensor:
+    """``[B, P+R, layers, top_k]`` expert ids laid out like the batch's tokens (left-padded prompt,
+    then the response); -1 where nothing was recorded (padding, the last response token)."""
+    B, L = batch.input_ids.shape
+    table = torch.full((B, L, layers, top_k), -1, dtype=torch.long)
+    for row, (start, rec) in enumerate(_records(batch, layers, top_k)):
+        if rec is None:
+            continue
+        if tuple(rec.shape[1:]) != (layers, top_k) or start + rec.shape[0] > L:
+            raise MilesError(f"sample {row}: routed experts of shape {tuple(rec.shape)} do not fit this "
+                             f"model ([tokens, {layers}, {top_k}]) and batch ({L - start} tokens); "
+                             f"were they recorded by another model? set model.routing_replay=false")
+        table[row, start:start + rec.shape[0]] = rec.long()
+    return table.to(batch.input_ids.device)
+
+
+def _records(batch: Batch, layers: int, top_k: int) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """(position of the sample's first prompt token in its row, its recorded experts ``[tokens,
+    layers, top_k]`` or None)."""
+    for s in batch.samples:
+        rec = (s.extensions.get(EXTENSION) or {}).get("routed_experts")
+        if rec is not None and not isinstance(rec, torch.Tensor):
+            rec = torch.as_tensor(rec)
+        if rec is not None and rec.dim() == 1 and layers * top_k and rec.numel() % (layers * top_k) == 0:
+            rec = rec.view(-1, layers, top_k)  # flat, as SGLang sends it (its clients reshape)
+        yield batch.prompt_len - len(s.prompt_ids), rec
