@@ -13,3 +13,11 @@ def _make(cfg, **_):
     from .algorithm import FlowGRPO
 
     return FlowGRPO(cfg)
+
+
+@hookimpl
+def miles_validate_config(config):
+    """What the algorithm needs from the other sections, caught before any model is built."""
+    from .config import cross_section_problems
+
+    return cross_section_problems(config)

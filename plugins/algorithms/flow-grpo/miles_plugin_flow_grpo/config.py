@@ -1,3 +1,7 @@
+from __future__ import annotations
+
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -14,3 +18,14 @@ class FlowGRPOConfig(BaseModel):
     filter_zero_variance: bool = Field(True, description="drop groups whose images all got the same reward")
     trajectory_key: str = Field("diffusers", description="Sample.extensions key holding the trajectory "
                                 "tensors the model spec scores (they become Batch.extras)")
+
+
+def cross_section_problems(config: Any) -> list[str]:
+    """What flow-grpo needs from the rollout: one log-prob per denoising step, which the diffusion
+    rollout records only with its SDE sampler (its ODE sampler records none)."""
+    if config.name("algorithm") != "flow-grpo" or config.rollout.name != "diffusion":
+        return []
+    if getattr(config.rollout_settings, "sampler", "sde") != "sde":
+        return ["rollout.sampler: algorithm flow-grpo needs the SDE sampler's log-probs: set "
+                "rollout.sampler sde (or use algorithm.name diffusion-nft)"]
+    return []

@@ -83,3 +83,17 @@ def test_clipped_loss_and_kl():
     assert float(loss) == pytest.approx(0.5 * kl, rel=1e-4)  # advantages +1/-1 cancel at ratio 1
     loss.backward()
     assert logprobs.grad[0].sum() < 0 < logprobs.grad[1].sum()  # raise the good sample, lower the bad
+
+
+def test_the_ode_sampler_is_refused_before_anything_is_built():
+    """flow-grpo's own config check: the diffusion rollout's ODE sampler records no log-probs."""
+    from pathlib import Path
+
+    from miles import ConfigError
+    from miles.cli import load
+
+    recipe = str(Path(__file__).resolve().parents[4] / "recipes" / "diffusion_quickstart.yaml")
+    _, config = load(recipe, ["rollout.sampler=sde"], [])
+    assert config.name("algorithm") == "flow-grpo"
+    with pytest.raises(ConfigError, match="rollout.sampler: algorithm flow-grpo needs the SDE sampler"):
+        load(recipe, ["rollout.sampler=ode"], [])

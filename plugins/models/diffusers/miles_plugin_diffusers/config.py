@@ -140,10 +140,6 @@ def cross_section_problems(config: Any) -> list[str]:
     if engine == "diffusers" and rollout != "diffusion":
         problems.append(f"rollout.name: engine.name diffusers generates images: set rollout.name "
                         f"diffusion (not {rollout!r})")
-    if rollout == "diffusion" and config.name("algorithm") == "flow-grpo" \
-            and getattr(config.rollout_settings, "sampler", "sde") != "sde":
-        problems.append("rollout.sampler: algorithm flow-grpo needs the SDE sampler's log-probs: set "
-                        "rollout.sampler sde (or use algorithm.name diffusion-nft)")
     if env == "shapes" and engine != "diffusers":
         problems.append(f"env.name: env shapes scores images: set engine.name diffusers (not {engine!r})")
     return problems
