@@ -19,10 +19,11 @@ def encode_prompts(tokenizer: Any, prompts: list) -> list[list[int]]:
             if isinstance(p, list) else list(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
 
 
-def decode_batch(tokenizer: Any, ids: list[list[int]]) -> list[str]:
+def decode_batch(tokenizer: Any, ids: list[list[int]], skip_special: bool = True) -> list[str]:
     """Texts of many responses; a fast tokenizer's Rust backend skips transformers' per-list
-    conversions, which cost more than the decoding itself for short responses."""
+    conversions, which cost more than the decoding itself for short responses. ``skip_special``
+    False keeps special tokens' text (e.g. each token's own name in an OpenAI log-prob entry)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        return backend.decode_batch(ids, skip_special_tokens=True)
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return backend.decode_batch(ids, skip_special_tokens=skip_special)
+    return tokenizer.batch_decode(ids, skip_special_tokens=skip_special)

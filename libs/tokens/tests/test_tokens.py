@@ -24,6 +24,10 @@ def test_text_prompts_round_trip_through_a_fast_tokenizer():
     ids = encode_prompts(tok, ["1+2=", "30-4="])
     assert [len(i) for i in ids] == [4, 5]
     assert decode_batch(tok, ids) == ["1+2=", "30-4="]
+    # special tokens: skipped by default, their text kept on request (each on its own and in a row)
+    eos = tok.eos_token_id
+    assert decode_batch(tok, [[eos], ids[0] + [eos]]) == ["", "1+2="]
+    assert decode_batch(tok, [[eos], ids[0] + [eos]], skip_special=False) == ["<eos>", "1+2=<eos>"]
 
 
 def test_chat_prompts_use_the_chat_template_and_text_stays_plain():

@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
+from miles_tokens import decode_batch
 from pydantic import ValidationError
 
 from .openai_protocol import ChatBody, CompletionBody, OpenAIError
@@ -54,13 +55,6 @@ def mount_openai_routes(app: FastAPI, engine: Any, scheduler: Scheduler, *, mode
     app.get("/v1/models")(api.models)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
-
-
-def _decode(tokenizer: Any, ids: list[list[int]], skip_special: bool = True) -> list[str]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # Rust batch decode: no per-list overhead
-    if backend is not None:
-        return backend.decode_batch(ids, skip_special_tokens=skip_special)
-    return tokenizer.batch_decode(ids, skip_special_tokens=skip_special)
 
 
 def top_alternatives(engine: Any, rows: list[tuple[list[int], list[int]]], temperature: float,
@@ -230,18 +224,18 @@ class OpenAIRoutes:
     def _finish(self, prompt: list[int], comp: Any, stops: list[str], first: bool) -> Choice:
         """The completion cut at its first stop string (after the token that completes it)."""
         tokens, lps = list(comp.token_ids), list(comp.logprobs)
-        text = _decode(self.tokenizer, [tokens])[0]
+        text = decode_batch(self.tokenizer, [tokens])[0]
         finish = comp.finish_reason
         if stops and any(s in text for s in stops):
             lo, hi = 1, len(tokens)  # the shortest prefix whose text holds a stop string
             while lo < hi:
                 mid = (lo + hi) // 2
-                if any(s in _decode(self.tokenizer, [tokens[:mid]])[0] for s in stops):
+                if any(s in decode_batch(self.tokenizer, [tokens[:mid]])[0] for s in stops):
                     hi = mid
                 else:
                     lo = mid + 1
             tokens, lps = tokens[:lo], lps[:lo]
-            text = _decode(self.tokenizer, [tokens])[0]
+            text = decode_batch(self.tokenizer, [tokens])[0]
             text, finish = text[:min(text.index(s) for s in stops if s in text)], "stop"
         return Choice(prompt, tokens, lps, text, finish, comp.weight_version, first=first)
 
@@ -256,7 +250,7 @@ class OpenAIRoutes:
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (special tokens shown), as OpenAI's log-prob entries name them."""
-        return _decode(self.tokenizer, [[t] for t in ids], skip_special=False)
+        return decode_batch(self.tokenizer, [[t] for t in ids], skip_special=False)
 
     def _completion_logprobs(self, c: Choice) -> dict:
         texts = self._token_texts(c.tokens)
@@ -286,7 +280,7 @@ class OpenAIRoutes:
         length). A decode ending in U+FFFD holds an incomplete character: that token adds nothing
         and the one that completes it adds it whole. The pieces add up to ``c.text`` exactly."""
         def decode(ids: list[int]) -> str:
-            return _decode(self.tokenizer, [ids])[0]
+            return decode_batch(self.tokenizer, [ids])[0]
 
         ids, text, out, shown = c.tokens, c.text, [], 0
         anchor, base = 0, ""  # base: decode(ids[anchor:k]) for the next token k
