@@ -1,12 +1,14 @@
 """Text <-> token ids for rollouts and supervised phases, on any Hugging Face-style tokenizer, and
-token samples padded into a training batch (``batch``)."""
+token samples padded into a training batch (``batch``), with their recorded MoE routing
+(``routing``)."""
 from __future__ import annotations
 
 from typing import Any
 
 from .batch import pad_samples
+from .routing import routed_experts_rows
 
-__all__ = ["encode_prompts", "decode_batch", "pad_samples"]
+__all__ = ["encode_prompts", "decode_batch", "pad_samples", "routed_experts_rows"]
 
 
 def encode_prompts(tokenizer: Any, prompts: list) -> list[list[int]]:

@@ -51,3 +51,29 @@ def test_pad_samples_lays_out_prompts_left_and_responses_right():
     assert b.rollout_logprobs.tolist() == [[-0.5, 0.0, 0.0], [0.0, 0.0, 0.0]]
     assert b.rewards.tolist() == [1.0, 0.0] and b.global_tokens == 3.0 and b.global_samples == 2
     assert b.samples == [short, long] and len(b) == 2
+
+
+def test_routed_experts_rows_lay_records_out_by_row_and_refuse_another_models():
+    import pytest
+    import torch
+    from miles import Sample, Task
+    from miles_tokens import routed_experts_rows
+
+    rec = torch.arange(3 * 2 * 2, dtype=torch.int32).view(3, 2, 2) % 4
+    t = Task("p")
+    samples = [Sample(task=t, prompt_ids=[1], response_ids=[2, 3], extensions={"moe": {"routed_experts": rec}}),
+               Sample(task=t, prompt_ids=[1], response_ids=[2]),  # no record: routed as usual
+               Sample(task=t, prompt_ids=[1], response_ids=[2],
+                      extensions={"moe": {"routed_experts": rec[:2].flatten().tolist()}})]  # flat, as SGLang
+    table = routed_experts_rows(samples, "moe", 2, 2, width=5, starts=[0, 0, 2])
+    assert table.shape == (3, 5, 2, 2) and table.dtype == torch.long
+    assert torch.equal(table[0, :3], rec.long()) and bool((table[0, 3:] == -1).all())
+    assert bool((table[1] == -1).all())
+    assert bool((table[2, :2] == -1).all()) and torch.equal(table[2, 2:4], rec[:2].long())
+    assert torch.equal(routed_experts_rows(samples, "other", 2, 2, width=5), torch.full((3, 5, 2, 2), -1))
+    with pytest.raises(ValueError, match=r"sample 0's routed experts have shape \(3, 2, 2\).*\[tokens <= 5, 3, 2\]"):
+        routed_experts_rows(samples, "moe", 3, 2, width=5)
+    with pytest.raises(ValueError, match=r"sample 2's .*\[tokens <= 1, 2, 2\]"):
+        routed_experts_rows(samples, "moe", 2, 2, width=5, starts=[0, 0, 4])
+    with pytest.raises(ValueError, match="sample 0 names expert 3; the model has 3 experts"):
+        routed_experts_rows(samples, "moe", 2, 2, width=5, experts=3)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from miles import Batch, MilesError
+from miles_tokens import routed_experts_rows
 
 from .arch import _submodules
 
@@ -48,24 +49,12 @@ class ReplayTable:
 
     def rows(self, batch: Batch, width: int) -> torch.Tensor:
         """``[B, width, layers, top_k]`` recorded experts per row position, -1 where none."""
-        L, k = self.layers, self.top_k
-        table = torch.full((len(batch.samples), width, L, k), -1, dtype=torch.long)
-        for row, s in enumerate(batch.samples):
-            rec = (s.extensions.get(self.extension) or {}).get("routed_experts")
-            if rec is None:
-                continue
-            rec = torch.as_tensor(rec)
-            if rec.dim() == 1 and rec.numel() % (L * k) == 0:
-                rec = rec.view(-1, L, k)  # flat, as SGLang sends it
-            if rec.dim() != 3 or tuple(rec.shape[1:]) != (L, k) or rec.shape[0] > width:
-                raise MilesError(f"routing replay: sample {row}'s routed experts have shape "
-                                 f"{tuple(rec.shape)}; this model needs [tokens <= {width}, {L}, {k}] "
-                                 f"(were they recorded by another model? set model.routing_replay=false)")
-            if rec.numel() and int(rec.max()) >= self.experts:
-                raise MilesError(f"routing replay: sample {row} names expert {int(rec.max())}; the model "
-                                 f"has {self.experts} experts")
-            table[row, :rec.shape[0]] = rec.long()
-        return table
+        try:
+            return routed_experts_rows(batch.samples, self.extension, self.layers, self.top_k, width,
+                                       experts=self.experts)
+        except ValueError as e:
+            raise MilesError(f"routing replay: {e}; were they recorded by another model? set "
+                             f"model.routing_replay=false") from None
 
 
 class _Replay:

@@ -15,12 +15,13 @@ With ``routing_replay`` on (R3), the spec offers two capabilities:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 import contextlib
 from typing import Any
 
 import torch
 from miles import Batch, MilesError
+from miles_tokens import routed_experts_rows
 
 from .config import MoESpecConfig, resolve_base
 from .router import ReplayRouter, RoutingState, install
@@ -108,26 +109,10 @@ class R3Spec(MoESpec):
 def replay_table(batch: Batch, layers: int, top_k: int) -> torch.Tensor:
     """``[B, P+R, layers, top_k]`` expert ids laid out like the batch's tokens (left-padded prompt,
     then the response); -1 where nothing was recorded (padding, the last response token)."""
-    B, L = batch.input_ids.shape
-    table = torch.full((B, L, layers, top_k), -1, dtype=torch.long)
-    for row, (start, rec) in enumerate(_records(batch, layers, top_k)):
-        if rec is None:
-            continue
-        if tuple(rec.shape[1:]) != (layers, top_k) or start + rec.shape[0] > L:
-            raise MilesError(f"sample {row}: routed experts of shape {tuple(rec.shape)} do not fit this "
-                             f"model ([tokens, {layers}, {top_k}]) and batch ({L - start} tokens); "
-                             f"were they recorded by another model? set model.routing_replay=false")
-        table[row, start:start + rec.shape[0]] = rec.long()
+    starts = [batch.prompt_len - len(s.prompt_ids) for s in batch.samples]  # each row's first prompt token
+    try:
+        table = routed_experts_rows(batch.samples, EXTENSION, layers, top_k, batch.input_ids.shape[1], starts)
+    except ValueError as e:
+        raise MilesError(f"routing replay: {e}; were they recorded by another model? set "
+                         f"model.routing_replay=false") from None
     return table.to(batch.input_ids.device)
-
-
-def _records(batch: Batch, layers: int, top_k: int) -> Iterator[tuple[int, torch.Tensor | None]]:
-    """(position of the sample's first prompt token in its row, its recorded experts ``[tokens,
-    layers, top_k]`` or None)."""
-    for s in batch.samples:
-        rec = (s.extensions.get(EXTENSION) or {}).get("routed_experts")
-        if rec is not None and not isinstance(rec, torch.Tensor):
-            rec = torch.as_tensor(rec)
-        if rec is not None and rec.dim() == 1 and layers * top_k and rec.numel() % (layers * top_k) == 0:
-            rec = rec.view(-1, layers, top_k)  # flat, as SGLang sends it (its clients reshape)
-        yield batch.prompt_len - len(s.prompt_ids), rec

@@ -1,0 +1,32 @@
+"""Recorded MoE routing (rollout routing replay, R3) laid out like a batch's tokens."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def routed_experts_rows(samples: Sequence[Any], extension: str, layers: int, top_k: int, width: int,
+                        starts: Sequence[int] | None = None, experts: int | None = None) -> Any:
+    """``[B, width, layers, top_k]`` long expert ids: sample ``i``'s record
+    ``extensions[extension]["routed_experts"]`` (``[tokens, layers, top_k]``, or flat as SGLang
+    sends it) from row position ``starts[i]`` (default 0) on, -1 where nothing was recorded
+    (no record, padding, the last response token). A record that does not fit ``layers``,
+    ``top_k`` and ``width``, or names an expert id ``>= experts``, is a ValueError naming the
+    sample, so the trainer never replays another model's routing."""
+    import torch
+
+    table = torch.full((len(samples), width, layers, top_k), -1, dtype=torch.long)
+    for row, s in enumerate(samples):
+        rec = ((getattr(s, "extensions", None) or {}).get(extension) or {}).get("routed_experts")
+        if rec is None:
+            continue
+        rec = torch.as_tensor(rec)
+        if rec.dim() == 1 and layers * top_k and rec.numel() % (layers * top_k) == 0:
+            rec = rec.view(-1, layers, top_k)
+        start = starts[row] if starts is not None else 0
+        if rec.dim() != 3 or tuple(rec.shape[1:]) != (layers, top_k) or start + rec.shape[0] > width:
+            raise ValueError(f"sample {row}'s routed experts have shape {tuple(rec.shape)}; this model "
+                             f"and batch need [tokens <= {width - start}, {layers}, {top_k}]")
+        if experts is not None and rec.numel() and int(rec.max()) >= experts:
+            raise ValueError(f"sample {row} names expert {int(rec.max())}; the model has {experts} experts")
+        table[row, start:start + rec.shape[0]] = rec.long()
+    return table
