@@ -19,24 +19,47 @@ matter, random small ones barely do). The defaults are Qwen3-MoE-style routing (
 renormalised) with 128 experts, top-4 (Qwen3-30B-A3B routes over 128).
 
     python benchmarks/mismatch.py [--prompts 16] [--n 2] [--seed 0] [--seeds 1] [--experts 128]
-                                  [--top-k 4] [--expert-scale 3] [--skip-fp8]
+                                  [--top-k 4] [--expert-scale 3] [--skip-fp8] [--device cpu|cuda]
+                                  [--shape tiny|0.5b]
+
+On ``--device cuda`` the engine and the trainer's model run on the GPU (the same dtypes), and the
+FP8 rows run FP8 GEMMs (``torch._scaled_mm``) where the GPU has them (compute capability >= 8.9).
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields, replace
 
 import torch
 from miles import Batch, SamplingParams, Sample, Task
 
-SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 16, "max_position_embeddings": 64,
-         "initializer_range": 0.1}
-DENSE = {"model_type": "qwen3", "intermediate_size": 128, **SIZES}
+# model shapes (--shape): ``tiny`` runs in seconds on CPU; ``0.5b`` is a Qwen3-MoE of about 0.5B
+# parameters for a GPU: hidden 1024, 16 layers and 64 experts leave 128 per expert for 0.5B in all
+# (Qwen3-MoE's wider experts would make it 0.8B+). The dense row's MLP is as wide as the MoE's
+# active experts together (top-k x expert width).
+SHAPES = {
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "max_position_embeddings": 64, "initializer_range": 0.1,
+             "moe_intermediate_size": 64, "experts": 128},
+    "0.5b": {"hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
+             "head_dim": 64, "max_position_embeddings": 64, "initializer_range": 0.02, "vocab_size": 32000,
+             "tie_word_embeddings": False, "moe_intermediate_size": 128, "experts": 64},
+}
+
+
+def sizes(args) -> dict:
+    return {k: v for k, v in SHAPES[args.shape].items() if k not in ("moe_intermediate_size", "experts")}
+
+
+def dense_config(args) -> dict:
+    inter = 128 if args.shape == "tiny" else args.top_k * SHAPES[args.shape]["moe_intermediate_size"]
+    return {"model_type": "qwen3", "intermediate_size": inter, **sizes(args)}
 
 
 def moe_config(args) -> dict:
-    return {"model_type": "qwen3_moe", "intermediate_size": 128, "moe_intermediate_size": 64,
-            "num_experts": args.experts, "num_experts_per_tok": args.top_k, "norm_topk_prob": True, **SIZES}
+    return {"model_type": "qwen3_moe", "intermediate_size": 128,
+            "moe_intermediate_size": SHAPES[args.shape]["moe_intermediate_size"],
+            "num_experts": args.experts, "num_experts_per_tok": args.top_k, "norm_topk_prob": True, **sizes(args)}
 
 
 def build(config: dict, replay: bool):
@@ -57,7 +80,7 @@ def build(config: dict, replay: bool):
 def build_moe(args, seed: int):
     torch.manual_seed(seed)
     spec, tok = build(moe_config(args), replay=True)
-    master = spec.build_model(tok).eval()
+    master = spec.build_model(tok).eval().to(args.device)
     with torch.no_grad():
         for name, p in master.named_parameters():
             if name.endswith("mlp.experts.down_proj"):
@@ -67,17 +90,21 @@ def build_moe(args, seed: int):
 
 def rollout(spec, tok, master: torch.nn.Module, prompts: list[list[int]], n: int, seed: int,
             dtype: str = "bfloat16", weights: str = "model", gemm: str = "auto") -> Batch:
+    """The engine's samples of ``prompts`` as a training batch on the trainer's (``master``'s) device."""
     from miles_plugin_torch_engine.config import TorchEngineConfig
     from miles_plugin_torch_engine.engine import TorchEngine
 
-    cfg = TorchEngineConfig(dtype=dtype, impl="hf", weights_dtype=weights, fp8_gemm=gemm)
+    device = next(master.parameters()).device
+    cfg = TorchEngineConfig(dtype=dtype, impl="hf", weights_dtype=weights, fp8_gemm=gemm, device=str(device))
     engine = TorchEngine(cfg, spec=spec, tokenizer=tok, seed=seed)
     engine.load_weights(master.state_dict().items(), 1)
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), n=n)
     samples = [Sample(task=Task(prompt=""), prompt_ids=p, response_ids=c.token_ids, logprobs=c.logprobs,
                       loss_mask=[1] * len(c.token_ids), extensions=dict(c.extras))
                for p, cs in zip(prompts, outs) for c in cs]
-    return Batch.from_samples(samples, tok.pad_token_id)
+    batch = Batch.from_samples(samples, tok.pad_token_id)
+    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 def plain_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -89,8 +116,8 @@ def plain_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def abs_diff(lp: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """|logp_train - logp_rollout| of every response token (flattened)."""
-    return (lp - batch.rollout_logprobs).abs()[batch.loss_mask.bool()]
+    """|logp_train - logp_rollout| of every response token (flattened, on CPU)."""
+    return (lp - batch.rollout_logprobs).abs()[batch.loss_mask.bool()].cpu()
 
 
 def flips(model: torch.nn.Module, batch: Batch) -> tuple[float, torch.Tensor]:
@@ -103,7 +130,7 @@ def flips(model: torch.nn.Module, batch: Batch) -> tuple[float, torch.Tensor]:
     with state.recording():
         plain_logprobs(model, batch)
     own = state.take()[0].view(len(batch), batch.input_ids.shape[1], state.num_layers, state.top_k)
-    after = torch.zeros(batch.loss_mask.shape, dtype=torch.bool)
+    after = torch.zeros(batch.loss_mask.shape, dtype=torch.bool)  # CPU, like the recorded experts
     flipped = total = 0
     for row, s in enumerate(batch.samples):
         rec = s.extensions["moe"]["routed_experts"]
@@ -115,7 +142,7 @@ def flips(model: torch.nn.Module, batch: Batch) -> tuple[float, torch.Tensor]:
         # response token j is predicted at position len(prompt) + j - 1
         pos = (torch.arange(len(s.response_ids)) + len(s.prompt_ids) - 1).clamp(max=rec.shape[0] - 1)
         after[row, :len(s.response_ids)] = seen[pos]
-    return flipped / max(total, 1), after[batch.loss_mask.bool()]
+    return flipped / max(total, 1), after[batch.loss_mask.cpu().bool()]
 
 
 def prompts_for(tok, count: int, seed: int) -> list[list[int]]:
@@ -160,19 +187,26 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, default=1, help="MoE rows: pool this many seeds (model, prompts, samples)")
     ap.add_argument("--tis-cap", type=float, default=2.0)
-    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=None, help="default: the shape's (tiny 128, 0.5b 64)")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--expert-scale", type=float, default=3.0,
                     help="experts' down projections multiplied by this after init (their output's weight)")
     ap.add_argument("--skip-fp8", action="store_true")
     ap.add_argument("--fp8-gemm", default="auto", choices=["auto", "scaled_mm", "dequantized"],
                     help="the FP8 engine's GEMMs (engine.fp8_gemm): FP8 GEMMs or weight-only FP8")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="engine and trainer device")
+    ap.add_argument("--shape", default="tiny", choices=list(SHAPES), help="model size (see SHAPES)")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here; use --device cpu")
+    if args.experts is None:
+        args.experts = SHAPES[args.shape]["experts"]
+    header(args)
 
     torch.manual_seed(args.seed)
-    spec, tok = build(DENSE, replay=False)
+    spec, tok = build(dense_config(args), replay=False)
     prompts = prompts_for(tok, args.prompts, args.seed)
-    master = spec.build_model(tok).eval()
+    master = spec.build_model(tok).eval().to(args.device)
     batch = rollout(spec, tok, master, prompts, args.n, args.seed)
     report("dense bf16 engine", abs_diff(plain_logprobs(master, batch), batch))
 
@@ -187,6 +221,36 @@ def main() -> None:
         fp8_rows(prompts, args)
 
 
+def fp8_gemm(args) -> str:
+    """The FP8 engine's GEMMs on this device (``engine.fp8_gemm: auto`` resolved as the engine does)."""
+    from miles_plugin_torch_engine.fp8 import scaled_mm_supported
+
+    if args.fp8_gemm != "auto":
+        return args.fp8_gemm
+    return "scaled_mm" if scaled_mm_supported(torch.device(args.device)) else "dequantized"
+
+
+def header(args) -> None:
+    """Device, dtypes and the models' exact parameter counts (counted on the meta device: no memory)."""
+    dev = args.device
+    if dev == "cuda":
+        cap = torch.cuda.get_device_capability()
+        dev = f"cuda ({torch.cuda.get_device_name()}, capability {cap[0]}.{cap[1]})"
+    print(f"device {dev}, torch {torch.__version__}; engine bfloat16; trainer float32; fp8 rows: engine "
+          f"float8_e4m3fn weights (128x128 blocks), float32 activations, GEMMs {fp8_gemm(args)}")
+    counts = {}
+    for name, config in (("dense", dense_config(args)), ("moe", moe_config(args))):
+        spec, tok = build(config, replay=False)
+        with torch.device("meta"):
+            counts[name] = sum(p.numel() for p in spec.build_model(tok).parameters())
+    c = moe_config(args)
+    print(f"shape {args.shape}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
+          f"{c['num_attention_heads']} heads ({c['num_key_value_heads']} kv) of {c['head_dim']}, vocab "
+          f"{c.get('vocab_size', len(tok))}; moe {args.experts} experts of {c['moe_intermediate_size']}, "
+          f"top-{args.top_k}: {counts['moe']:,} parameters; dense (MLP {dense_config(args)['intermediate_size']}): "
+          f"{counts['dense']:,} parameters")
+
+
 def fp8_rows(prompts, args) -> None:
     """FP8 engine weights (blockwise e4m3, float32 activations) vs the float32 trainer: the dense
     model, and the MoE model (experts in FP8 too; routers stay float32) with R3 off and on. TIS
@@ -194,11 +258,11 @@ def fp8_rows(prompts, args) -> None:
     logp_rollout) at ``tis_cap`` in the loss: printed are the weights' spread around 1 without
     (raw ratio) and with truncation."""
     torch.manual_seed(args.seed)
-    spec, tok = build(DENSE, replay=False)
-    master = spec.build_model(tok).eval()
+    spec, tok = build(dense_config(args), replay=False)
+    master = spec.build_model(tok).eval().to(args.device)
     batch = rollout(spec, tok, master, prompts, args.n, args.seed, "float32", weights="fp8", gemm=args.fp8_gemm)
     lp = plain_logprobs(master, batch)
-    how = "FP8 GEMMs" if args.fp8_gemm != "dequantized" else "weight-only"
+    how = "FP8 GEMMs" if fp8_gemm(args) == "scaled_mm" else "weight-only"
     m = batch.loss_mask.bool()
     ratio = (lp - batch.rollout_logprobs).exp()[m]
     tis = ratio.clamp(max=args.tis_cap)

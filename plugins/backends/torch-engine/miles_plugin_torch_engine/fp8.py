@@ -74,20 +74,31 @@ def scaled_mm_supported(device: torch.device) -> bool:
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """``x [T, K] @ W.T`` for the blockwise FP8 weight ``W = q [N, K] * scale_inv`` on FP8 GEMMs:
     ``x`` is quantized per token and ``block``-column group; each group is one ``torch._scaled_mm``
-    with rowwise scales (the token's scale, and each output row's block scale), summed in float32."""
+    with rowwise scales (the token's scale, and each output row's block scale), summed in float32.
+
+    CUDA's rowwise-scaled FP8 GEMM wants ``K`` and ``N`` multiples of 16, a column-major second
+    operand, float32 scales ``[T, 1]`` and ``[1, N]`` and a bfloat16 output, so edge groups are
+    zero-padded to a full block and ``N`` to a multiple of 16 (zeros add nothing to the products;
+    the padded outputs are dropped); CPU takes the same layout."""
     T, K = x.shape
     N = q.shape[0]
+    G, Np = -(-K // block), -(-N // 16) * 16
     out_dtype = torch.bfloat16 if x.is_cuda else torch.float32  # CUDA's rowwise scaling wants bf16 out
-    acc = torch.zeros(T, N, dtype=torch.float32, device=x.device)
-    for j in range(-(-K // block)):
-        cols = slice(j * block, min((j + 1) * block, K))
-        xs = x[:, cols].float()
-        sa = xs.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
-        xq = (xs / sa).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        sb = scale_inv[:, j].repeat_interleave(block)[:N].reshape(1, N).float()
-        acc += torch._scaled_mm(xq, q[:, cols].contiguous().t(), scale_a=sa, scale_b=sb,
+    xg = F.pad(x.float(), (0, G * block - K)).view(T, G, block)
+    sa = xg.abs().amax(dim=-1).clamp(min=1e-12) / E4M3_MAX  # [T, G]: one scale per token and group
+    # [G, T, block] row-major per group; cast after the transpose (float8 copies are not everywhere)
+    xq = (xg / sa[..., None]).clamp(-E4M3_MAX, E4M3_MAX).transpose(0, 1).contiguous().to(torch.float8_e4m3fn)
+    sa = sa.t().contiguous()  # [G, T]
+    # the weight as [G, Np, block] bytes (0 is e4m3's +0.0); group g's .t() is column-major [block, Np]
+    qb = F.pad(q.view(torch.uint8), (0, G * block - K, 0, Np - N))
+    qg = qb.view(Np, G, block).transpose(0, 1).contiguous().view(torch.float8_e4m3fn)
+    sb = F.pad(scale_inv.float().repeat_interleave(block, 0)[:N], (0, 0, 0, Np - N), value=1.0)
+    sb = sb.t().contiguous()  # [G, Np]: each output row's scale in group g
+    acc = torch.zeros(T, Np, dtype=torch.float32, device=x.device)
+    for g in range(G):
+        acc += torch._scaled_mm(xq[g], qg[g].t(), scale_a=sa[g].unsqueeze(1), scale_b=sb[g].unsqueeze(0),
                                 out_dtype=out_dtype).float()
-    return acc.to(x.dtype)
+    return acc[:, :N].to(x.dtype)
 
 
 class _Quantized(torch.nn.Module):

@@ -100,7 +100,7 @@ def test_fp8_linear_on_fp8_gemms_keeps_leading_dims_and_bias():
     assert torch.allclose(y.reshape(6, 300), want + lin.bias.detach(), atol=1e-5)
 
 
-def engine(weights_dtype, dtype="bfloat16"):
+def engine(weights_dtype, dtype="bfloat16", device="cpu"):
     from miles_plugin_arith.env import char_tokenizer
     from miles_plugin_hf.config import HFModelConfig
     from miles_plugin_hf.spec import HFModelSpec
@@ -111,7 +111,8 @@ def engine(weights_dtype, dtype="bfloat16"):
     torch.manual_seed(0)
     spec = HFModelSpec(HFModelConfig(config=TINY))
     master = spec.build_model(tok)
-    eng = TorchEngine(TorchEngineConfig(dtype=dtype, weights_dtype=weights_dtype), spec=spec, tokenizer=tok)
+    eng = TorchEngine(TorchEngineConfig(dtype=dtype, weights_dtype=weights_dtype, device=device), spec=spec,
+                      tokenizer=tok)
     eng.load_weights(master.state_dict().items(), 1)
     return eng, master, tok
 
@@ -271,3 +272,68 @@ def test_prequantized_expert_weights_are_taken_and_bad_shapes_refused():
     assert torch.equal(experts.gate_up_proj.view(torch.uint8), q.view(torch.uint8))
     with pytest.raises(ValueError, match="gate_up_proj_scale_inv"):
         fp8.load_weights([("model.layers.0.mlp.experts.gate_up_proj_scale_inv", s[:, :3])], 3)
+
+
+# -- CUDA: FP8 GEMMs on the GPU (torch._scaled_mm with rowwise scales) --------------------------------
+
+def _fp8_gemms_on_cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+needs_fp8_gpu = pytest.mark.skipif(not _fp8_gemms_on_cuda(), reason="FP8 GEMMs need a CUDA GPU of capability >= 8.9")
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("shape", [(1, 128, 128), (5, 200, 300), (3, 64, 40), (33, 1024, 384), (7, 384, 129)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_fp8_linear_is_within_e4m3_rounding_of_the_dequantized_matmul(shape, dtype):
+    """On CUDA, against the float32 product with the dequantized weight: every output within the
+    sound bound of rounding the activations to e4m3 (3 mantissa bits: relative error <= 2^-4, or
+    half the subnormal step of the token's group scale), plus bfloat16 rounding of each group's
+    partial sum and of the output (2^-8 each, with room: 2^-6 in all). Edge blocks: K and N not
+    multiples of 128 (nor N of 16)."""
+    from miles_plugin_torch_engine.fp8 import fp8_linear
+
+    T, K, N = shape
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(T, K, generator=g) * torch.logspace(-2, 1, K)).to(dtype).float()  # columns of varied size
+    w = torch.randn(N, K, generator=g) * 0.05
+    q, s = quantize_blockwise(w)
+    wq = dequantize_blockwise(q, s)
+    ref = x @ wq.t()
+    got = fp8_linear(x.to("cuda", dtype), q.cuda(), s.cuda())
+    assert got.dtype == dtype and got.shape == (T, N)
+    got = got.float().cpu()
+    # an e4m3 subnormal step is 2^-9 of the group's scale (amax / 448): its half bounds the rest
+    amax = torch.nn.functional.pad(x.abs(), (0, -K % BLOCK)).view(T, -1, BLOCK).amax(-1)
+    floor = (amax / 448 * 2 ** -10).repeat_interleave(BLOCK, -1)[:, :K]
+    bound = (2 ** -4 + 2 ** -6) * (x.abs() @ wq.abs().t()) + floor @ wq.abs().t()
+    err = (got - ref).abs()
+    assert torch.isfinite(got).all() and (err <= bound).all(), float((err / bound).max())
+    # and it is the CPU path's product (the same rounded operands), up to the bfloat16 partials
+    cpu = fp8_linear(x, q, s)
+    assert ((got - cpu).abs() <= 2 ** -6 * (x.abs() @ wq.abs().t()) + 1e-6).all()
+    # a wrong layout or scale would be off by the whole product, not by a rounding step
+    assert (err.norm() / ref.norm()) < 2 ** -4
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_gpu_fp8_engine_generates_like_the_bf16_engine():
+    """A tiny model on CUDA with FP8 weights (FP8 GEMMs, bf16 activations): finite log-probs, and
+    greedy tokens that mostly match the bf16 engine's (an early flip can change a row's rest)."""
+    fp8, master, tok = engine("fp8", device="cuda")
+    bf16, _, _ = engine("model", device="cuda")
+    q = fp8.model.model.layers[0].self_attn.q_proj
+    assert q.weight.is_cuda and q.weight.dtype == torch.float8_e4m3fn and q.gemm == "scaled_mm"
+    prompts = [tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"] for a, b in
+               [(12, 34), (56, 78), (90, 11), (23, 45), (67, 89), (10, 20), (31, 42), (53, 64)]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    got = [g[0] for g in fp8.generate(prompts, params)]
+    want = [g[0] for g in bf16.generate(prompts, params)]
+    assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in got)
+    assert all(torch.isfinite(torch.tensor(c.logprobs)).all() for c in got)
+    same = [a == b for c, d in zip(got, want) for a, b in zip(c.token_ids, d.token_ids)]
+    first = sum(c.token_ids[0] == d.token_ids[0] for c, d in zip(got, want))
+    assert first >= 7 and sum(same) >= 0.75 * len(same), (first, sum(same), len(same))
