@@ -27,48 +27,38 @@ Register = Callable[..., None]
 
 @hookspec(firstresult=True)
 def miles_reward(sample: Sample) -> float | None:
-    """Score one finished sample, overriding the environment's verifier.
-
-    Called once per sample after rollout, before grouping. firstresult: the first non-None
-    return wins; return ``None`` to say "not mine" and let the next plugin (and finally the
-    environment's own ``reward``) decide.
-    """
+    """Score one finished sample (once, after rollout, before grouping), overriding the
+    environment's verifier. firstresult: the first non-None return wins; return ``None`` to say
+    "not mine" and let the next plugin (and finally the environment's own ``reward``) decide."""
 
 
 @hookspec
 def miles_filter(group: Group) -> bool | None:
-    """Decide whether a group of samples is kept for training (dynamic sampling).
-
-    Called for every group after rewards are set; every implementation is called. The group is
-    dropped when any implementation returns ``False``; ``True`` or ``None`` keep it. Dropped
-    groups are counted in the step's ``groups_dropped`` metric.
-    """
+    """Decide whether a group of samples is kept for training (dynamic sampling); called for
+    every group after rewards are set, every implementation. The group is dropped when any returns
+    ``False`` (``True`` or ``None`` keep it), and counted in the step's ``groups_dropped`` metric."""
 
 
 @hookspec(firstresult=True)
 def miles_loss(batch: "Batch", logprobs: "torch.Tensor") -> "tuple[torch.Tensor, dict[str, float]] | None":
-    """Replace the algorithm's policy loss.
-
-    Called for every micro-batch of every optimizer step. ``logprobs`` ``[B, R]`` are the current
-    policy's log-probabilities of the response tokens (they require grad); ``batch`` carries
-    ``loss_mask``, ``advantages``, ``rollout_logprobs`` and friends (see ``miles.Batch``). Return
-    ``(loss, metrics)`` where ``loss`` is this micro-batch's share of the step loss (use
-    ``batch.token_mean`` / ``batch.seq_mean``); metrics are averaged and logged with the step.
-    firstresult: ``None`` means "use the algorithm's loss".
-    """
+    """Replace the algorithm's policy loss; called for every micro-batch of every optimizer
+    step. ``logprobs`` ``[B, R]`` are the current policy's log-probabilities of the response
+    tokens (they require grad); ``batch`` carries ``loss_mask``, ``advantages``,
+    ``rollout_logprobs`` and friends (see ``miles.Batch``). Return ``(loss, metrics)`` where
+    ``loss`` is this micro-batch's share of the step loss (use ``batch.token_mean`` /
+    ``batch.seq_mean``); metrics are averaged and logged with the step. firstresult: ``None``
+    means "use the algorithm's loss"."""
 
 
 @hookspec(firstresult=True)
 def miles_rollout(task: Task, n: int, engine: "Engine", env: "Env", tokenizer: Any,
                   params: "SamplingParams") -> list[Sample] | None:
-    """Generate the ``n`` samples of one task (multi-turn, agents, tools).
-
-    Called once per task of each rollout batch, with the run's tokenizer and this rollout's
-    sampling params. firstresult: return the samples (rewards may be left ``None`` for the env /
-    ``miles_reward`` to fill); ``None`` means "not mine". The ``trylast`` default comes with the
-    ``single_turn`` rollout (``miles-plugin-single-turn``); a run leaves it out and batches every
-    task no hook claims into one call of its ``rollout.name`` component instead.
-    """
+    """Generate the ``n`` samples of one task (multi-turn, agents, tools): called once per task
+    of each rollout batch, with the run's tokenizer and this rollout's sampling params.
+    firstresult: return the samples (rewards may be left ``None`` for the env / ``miles_reward``
+    to fill); ``None`` means "not mine". The ``trylast`` default comes with the ``single_turn``
+    rollout (``miles-plugin-single-turn``); a run leaves it out and batches every task no hook
+    claims into one call of its ``rollout.name`` component instead."""
 
 
 @hookspec(firstresult=True)
@@ -86,11 +76,8 @@ def miles_warm_start(run: Any, settings: Any) -> bool | None:
 
 @hookspec
 def miles_on_step_end(step: int, metrics: dict[str, Any]) -> None:
-    """Observe every finished training step.
-
-    Called after the step's metrics (including any evaluation at that step) are complete and
-    logged. Every implementation is called; return values are ignored.
-    """
+    """Observe every finished training step, once its metrics (with any evaluation at that step)
+    are complete and logged. Every implementation is called; return values are ignored."""
 
 
 @hookspec(firstresult=True)

@@ -62,6 +62,16 @@ class ScoresActions(Protocol):
     def action_logprobs(self, model: "torch.nn.Module", batch: Batch) -> "torch.Tensor": ...
 
 
+@runtime_checkable
+class KeepsTrainingState(Protocol):
+    """A spec with training state beside the model's weights (e.g. an EMA of them), kept in the
+    trainer's checkpoints: ``training_state(model)``: its tensors for ``model`` by name, sharded as
+    the model (empty: none yet); ``load_training_state(model, state)``: them back, as full tensors."""
+
+    def training_state(self, model: "torch.nn.Module") -> dict[str, "torch.Tensor"]: ...
+    def load_training_state(self, model: "torch.nn.Module", state: dict[str, "torch.Tensor"]) -> None: ...
+
+
 # --- environments ---------------------------------------------------------------------------------
 @runtime_checkable
 class Env(Protocol):

@@ -58,3 +58,32 @@ def test_the_recipe_raises_prompt_adherence_and_keeps_shapes(tmp_path):
     # the images stay shapes on black (training images: 13% foreground; measured 0.11 at step 20)
     # rather than filling with the prompt's colour (ema_decay 0: 0.31 at step 20)
     assert _foreground_share(out / "samples" / "step_000020.png") < 0.2
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    """The old policy (an EMA of the weights) is part of the checkpoint: 2 steps, stop, 2 more
+    give the weights and step metrics of 4 steps in one go (ema_decay > 0, so the EMA carries state)."""
+    from miles_plugin_fsdp2.checkpoint import read_model
+
+    tiny = [f"run.out_dir={tmp_path}/{{}}", "loggers=[]", "run.eval_every=100", "run.checkpoint_every=2",
+            "model.warm_start.steps=20", "rollout.batch_size=2", "rollout.n=4", "engine.num_steps=3",
+            "algorithm.ema_decay=0.5", "algorithm.noise_draws=2", "trainer.lr=3e-3"]
+
+    def train(run: str, steps: int) -> None:
+        assert main(["train", str(RECIPE), *[a.format(run) for a in tiny], f"run.steps={steps}"]) == 0
+
+    train("straight", 4)
+    train("resumed", 2)
+    train("resumed", 4)
+    ckpt = Path("checkpoints") / "step_000004" / "trainer"
+    for key in ("model", "spec"):  # the trained weights, and the old policy's EMA and version
+        a, b = (read_model(str(tmp_path / run / ckpt), key) for run in ("straight", "resumed"))
+        assert a.keys() == b.keys() and len(a) > 1
+        worst = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+        assert worst <= 1e-6, f"resumed {key} state differs from the uninterrupted run's by up to {worst}"
+    assert int(b["old_policy_version"]) == 3  # folded in before step 4's update, from the step's samples
+    straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    for s, r in zip(straight[3:], resumed[3:]):  # step 3 is the first after the resume
+        for key in ("nft_loss", "old_policy_gap", "flow_mse", "reward_mean"):
+            assert r[key] == pytest.approx(s[key], rel=1e-5, abs=1e-7), (r["step"], key, s[key], r[key])

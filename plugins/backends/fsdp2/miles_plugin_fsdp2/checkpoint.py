@@ -2,8 +2,9 @@
 
 DCP stores each tensor with its global shape and every rank's chunks, so a checkpoint written by
 N ranks loads at M ranks (including 1, plain tensors). Model, optimizer and the reference model
-go through DCP; the LR scheduler state is a small ``trainer_state.json`` and the RNG state
-``rng.safetensors``, both written by rank 0.
+go through DCP, and so does a model spec's own training state (``KeepsTrainingState``, e.g. the
+diffusers spec's EMA old policy, under ``spec.``); the LR scheduler state is a small
+``trainer_state.json`` and the RNG state ``rng.safetensors``, both written by rank 0.
 
 Nothing is unpickled freely on load, so a planted checkpoint cannot run code: DCP's ``.metadata``
 pickle goes through an allow-list of DCP's own metadata classes, and its non-tensor items (the
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+from miles.protocols import KeepsTrainingState
 
 EXTRA, RNG = "trainer_state.json", "rng.safetensors"
 _META_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -108,13 +111,16 @@ def save(trainer: Any, path: str) -> None:
     state = {"model": model_sd, "optim": optim_sd}
     if trainer.ref is not None:
         state["ref"] = get_model_state_dict(trainer.ref)
+    spec_state = trainer.spec.training_state(trainer.model) if isinstance(trainer.spec, KeepsTrainingState) else {}
+    if spec_state:
+        state["spec"] = spec_state
     with _quiet():
         dcp.save(state, checkpoint_id=path)
     if trainer.rank == 0:
         from safetensors.torch import save_file
 
         extra = {"sched": trainer.sched.state_dict(), "has_ref": trainer.ref is not None,
-                 "world_size": trainer.world_size}
+                 "has_spec_state": bool(spec_state), "world_size": trainer.world_size}
         rng = {"rng": torch.get_rng_state()}
         if torch.cuda.is_available() and trainer.device.type == "cuda":
             rng["cuda_rng"] = torch.cuda.get_rng_state(trainer.device)
@@ -163,6 +169,9 @@ def load(trainer: Any, path: str) -> None:
                    optim_state_dict=state["optim"])
     if trainer.ref is not None:
         set_model_state_dict(trainer.ref, state["ref"])
+    if extra.get("has_spec_state") and isinstance(trainer.spec, KeepsTrainingState):
+        # full tensors, read by each rank on its own; the spec places them as its model's
+        trainer.spec.load_training_state(trainer.model, read_model(path, "spec"))
     trainer.sched.load_state_dict(extra["sched"])
     torch.set_rng_state(extra["rng"])
     if "cuda_rng" in extra and trainer.device.type == "cuda":

@@ -184,6 +184,14 @@ class DiffusersSpec:
             return velocities(model, batch.extras, batch.samples, self._old)
         return trajectory_logprobs(model, batch.extras, batch.loss_mask)
 
+    # -- training state: the forward-process old policy, checkpointed by trainers ------------------
+    def training_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The old policy's EMA weights and version for ``model`` (``KeepsTrainingState``)."""
+        return self._old.state(model)
+
+    def load_training_state(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self._old.load_state(model, state)
+
     # -- export ------------------------------------------------------------------------------------
     def save_pretrained(self, named: Iterable[tuple[str, torch.Tensor]], tokenizer: Any, path: str) -> None:
         """A diffusers-style folder: transformer/, text_encoder/, tokenizer/, scheduler/ (and vae/

@@ -79,3 +79,41 @@ def test_forward_scoring_returns_the_model_and_old_policy_velocities(parts):
     assert torch.allclose(old, before + 0.5, atol=1e-6)
     spec.action_logprobs(model, _batch(newer, 0.5))  # the same version again (a micro-batch): unchanged
     assert torch.allclose(dict(spec._old.module.named_parameters())[name], before + 0.5, atol=1e-6)
+
+
+def test_the_old_policy_is_training_state_a_fresh_spec_takes_back(parts):
+    """``training_state``/``load_training_state`` (``KeepsTrainingState``): a new spec and model
+    given the state go on folding the EMA as the original does; a state of another model is refused."""
+    from miles import MilesError
+    from miles.protocols import KeepsTrainingState
+
+    _, spec, tok, _ = parts
+    cfg = spec.cfg
+    samples = _ode_samples(parts, 4)
+    a_spec, b_spec = DiffusersSpec(cfg), DiffusersSpec(cfg)
+    assert isinstance(a_spec, KeepsTrainingState)
+    a, b = spec.build_model(tok), spec.build_model(tok)
+    assert a_spec.training_state(a) == {}  # no forward-process batch scored yet: nothing to keep
+
+    def step(s, model, version):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9).add_(0.01 * version)
+        return s.action_logprobs(model, _batch([dataclasses.replace(x, weight_version=version) for x in samples], 0.5))
+
+    step(a_spec, a, 0)
+    step(a_spec, a, 1)
+    saved = {k: v.clone() for k, v in a_spec.training_state(a).items()}  # as a checkpoint holds it
+    assert int(saved["old_policy_version"]) == 1 and len(saved) == len(a.state_dict()) + 1
+    b.load_state_dict(a.state_dict())
+    b_spec.load_training_state(b, saved)
+    assert b_spec._old.version == 1
+    assert all(t.device == p.device for t, p in zip(b_spec._old.module.parameters(), b.parameters()))
+    out_a, out_b = step(a_spec, a, 2), step(b_spec, b, 2)
+    assert torch.equal(out_a, out_b)  # the old policy's velocities too: the same EMA, folded alike
+    half = out_a.shape[1] // 2
+    assert not torch.equal(out_a[:, half:], out_a[:, :half])  # the EMA lags: a restart from b would differ
+
+    other = DiffusersSpec(cfg.model_copy(update={"transformer": {"num_layers": 2}}))
+    with pytest.raises(MilesError, match="does not fit this model"):
+        other.load_training_state(other.build_model(tok), saved)

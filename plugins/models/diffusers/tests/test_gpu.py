@@ -48,3 +48,40 @@ def test_gpu_recipe_steps_on_cuda(tmp_path):
                   latents=ours["latents"][:, 0].cuda(), output_type="pt").images
     assert theirs.shape == (2, 3, 64, 64)
     assert float((theirs.float().cpu() - ours["images"]).abs().max()) < 1e-3
+
+
+def test_old_policy_state_written_on_cpu_resumes_on_cuda():
+    """A checkpoint's old-policy state (full CPU tensors) loads onto the model's device: a run
+    resumed on a GPU folds the EMA on there as the CPU run would."""
+    from miles import Batch, Sample, Task
+    from miles_plugin_diffusers.config import DiffusersModelConfig, ShapesEnvConfig
+    from miles_plugin_diffusers.env import ShapesEnv
+    from miles_plugin_diffusers.spec import DiffusersSpec
+
+    cfg = DiffusersModelConfig(transformer={"num_layers": 1})
+    tok = ShapesEnv(ShapesEnvConfig(colours=["red"], shapes=["square"])).tokenizer()
+    spec, cpu_model = DiffusersSpec(cfg), DiffusersSpec(cfg).build_model(tok)
+    g = torch.Generator().manual_seed(0)
+    extras = {"x_t": torch.randn(2, 2, 3, 8, 8, generator=g), "sigma_t": torch.rand(2, 2, generator=g),
+              "embeds": torch.randn(2, 5, cfg.text_hidden, generator=g),
+              "pooled": torch.randn(2, cfg.text_hidden, generator=g), "old_decay": 0.5}
+
+    def step(s, model, version, device):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9).add_(0.01 * version)
+        ex = {k: v.to(device) if torch.is_tensor(v) else v for k, v in extras.items()}
+        samples = [Sample(Task("a red square"), weight_version=version)] * 2
+        ones = torch.ones(2, 2, device=device)
+        return s.action_logprobs(model, Batch(None, None, None, 0, ones, ones, ones * 0, torch.zeros(2),
+                                              samples, extras=ex))
+
+    step(spec, cpu_model, 0, "cpu")
+    step(spec, cpu_model, 1, "cpu")
+    saved = {k: v.clone() for k, v in spec.training_state(cpu_model).items()}
+    gpu_spec, gpu_model = DiffusersSpec(cfg), DiffusersSpec(cfg).build_model(tok).cuda()
+    gpu_model.load_state_dict(cpu_model.state_dict())
+    gpu_spec.load_training_state(gpu_model, saved)
+    assert all(p.is_cuda for p in gpu_spec._old.module.parameters()) and gpu_spec._old.version == 1
+    on_cpu, on_gpu = step(spec, cpu_model, 2, "cpu"), step(gpu_spec, gpu_model, 2, "cuda")
+    assert torch.allclose(on_gpu.cpu(), on_cpu, atol=1e-4)
