@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,19 +62,39 @@ def nothing_left(*needles, timeout=20.0) -> list:
 def launch(out, env, *overrides):
     cmd = [sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}", "launcher.name=ray",
            "launcher.num_cpus=2", "run.warm_start.max_steps=5", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Read both pipes as a terminal would: a full pipe would block the driver's prints (and its
+    # supervision with them) while the run's actors go on without it.
+    proc.lines = {"stdout": [], "stderr": []}
+    proc.readers = [threading.Thread(target=_drain, args=(getattr(proc, name), proc.lines[name]), daemon=True)
+                    for name in proc.lines]
+    for reader in proc.readers:
+        reader.start()
+    return proc
+
+
+def _drain(pipe, into: list) -> None:
+    for line in iter(pipe.readline, ""):
+        into.append(line)
+    pipe.close()
+
+
+def printed(proc, stream="stderr") -> str:
+    return "".join(list(proc.lines[stream]))
 
 
 def finish(proc, timeout=400):
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"the run did not end within {timeout} s; its stderr:\n{err[-4000:]}") from None
+        proc.wait()
+        raise AssertionError(f"the run did not end within {timeout} s; its stderr:\n{printed(proc)[-4000:]}") from None
     finally:
         proc.kill()
-    return proc.returncode, out, err
+        for reader in proc.readers:
+            reader.join(timeout=30)
+    return proc.returncode, printed(proc, "stdout"), printed(proc)
 
 
 def wait_for(pred, proc, timeout=300):
@@ -81,7 +102,10 @@ def wait_for(pred, proc, timeout=300):
     while time.time() < deadline:
         if pred():
             return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if proc.poll() is not None:
+            for reader in proc.readers:
+                reader.join(timeout=30)
+            raise AssertionError(f"the run ended (exit {proc.returncode}); its stderr:\n{printed(proc)[-3000:]}")
         time.sleep(0.05)
     raise AssertionError("timed out")
 
@@ -117,6 +141,8 @@ def test_role_named_actors_and_engine_server_then_actor_killed_every_step_runs_o
     os.kill(killed, signal.SIGKILL)  # the actor restarts its server on the same port
     wait_for(lambda: not alive(killed), proc)
     wait_for(lambda: len(rows(out)) >= 7, proc)
+    first_kill = f"(pid {killed} on "
+    wait_for(lambda: first_kill in printed(proc), proc, timeout=60)  # reported before the actor dies too
     assert engine_server() != killed  # a new server, started by the same actor (checked below)
     status = Path(f"/proc/{engine_server()}/status").read_text()
     actor = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
