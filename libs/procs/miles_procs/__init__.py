@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["kill_until_gone", "session_pids", "stop_session", "venv_from_script"]
+__all__ = ["default_sigint", "kill_until_gone", "serve_until_stopped", "session_pids", "stop_session",
+           "venv_from_script"]
 
 
 def session_pids(sid: int) -> list[int]:
@@ -54,6 +55,38 @@ def kill_until_gone(find: Callable[[], list[int]], rounds: int = 3) -> None:
         if not pids:
             break
         time.sleep(0.5)
+
+
+def default_sigint() -> None:
+    """A server's ``preexec_fn``: SIGINT back to its default in the child. A shell's background job
+    inherits SIGINT ignored, and a server stops its own children cleanly only on a SIGINT it receives."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_until_stopped(start: Callable[[], str], running: Callable[[], bool], stop: Callable[[], None]) -> None:
+    """A launcher's foreground loop: ``start()`` (it returns the line to print once the server is
+    up), then wait while ``running()``. Ctrl-C and ``kill`` (SIGTERM, which also reaches a
+    background job, where SIGINT is ignored) end the wait; ``stop()`` then runs with both signals
+    ignored, so a second one cannot cut it short and leave the server's children behind."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        print(start(), flush=True)
+        while running():
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            stop()
+        finally:
+            signal.signal(signal.SIGINT, sigint)
+            signal.signal(signal.SIGTERM, previous)
 
 
 def venv_from_script(script: Path, timeout_s: float = 1800) -> Path:

@@ -12,6 +12,8 @@ from typing import Any, Sequence
 import pytest
 
 from miles import Group, Sample, Task, make_plugin_manager
+# re-exported: product code (env connectors) imports it from miles_tinypolicy, without pytest
+from miles_tinypolicy import char_tokenizer
 
 __all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration"]
 
@@ -29,21 +31,6 @@ def make_group(rewards: list[float], prompt_ids: Sequence[int] = (1, 2), respons
     samples = [Sample(task=task, prompt_ids=list(prompt_ids), response_ids=list(range(3, 3 + response_len)),
                       logprobs=[-1.0] * response_len, reward=r) for r in rewards]
     return Group(task=task, samples=samples)
-
-
-def char_tokenizer(chars: str = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz") -> Any:
-    """A real Hugging Face fast tokenizer over single characters, built locally (no hub)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    for c in chars:
-        vocab.setdefault(c, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # characters join without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>")
 
 
 class TinySpec:

@@ -34,7 +34,7 @@ class HarborEnv:
 
     def tokenizer(self) -> Any:
         if self._tok is None:
-            from miles.testing import char_tokenizer
+            from miles_tinypolicy import char_tokenizer
 
             self._tok = char_tokenizer(self.cfg.chars)
         return self._tok

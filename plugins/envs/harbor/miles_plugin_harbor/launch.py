@@ -14,16 +14,14 @@ import argparse
 import io
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 from miles import MilesError
-from miles_procs import stop_session, venv_from_script
+from miles_procs import default_sigint, serve_until_stopped, stop_session, venv_from_script
 
 MAKE_VENV = Path(__file__).resolve().parents[1] / "scripts" / "make_venv.sh"
 AGENT_DIR = Path(__file__).resolve().parent / "agent"  # miles_harbor_agent, imported by Harbor
@@ -150,8 +148,9 @@ class HarborServer:
             ensure_base_image(env)
         cmd = [str(venv / "bin" / "harbor"), "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--data-dir", str(self.work_dir / "data")]
+        # SIGINT at its default in the server even from a background job: stop() interrupts it first
         self.proc = subprocess.Popen(cmd, cwd=self.work_dir, env=env, stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
         deadline = time.monotonic() + timeout_s
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -182,16 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work-dir", default="runs/harbor_server", help="logs, data, containers.conf")
     args = ap.parse_args(argv)
     server = HarborServer(args.port, Path(args.work_dir).resolve())
-    # `kill PID` (and a script's background job, where SIGINT is ignored) stops the server too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        print(f"Harbor server at {server.start()} (log {server.log}); Ctrl-C stops it", flush=True)
-        while server.proc is not None and server.proc.poll() is None:
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    # Ctrl-C or `kill` (SIGTERM) stops the server and the trial processes it left
+    serve_until_stopped(lambda: f"Harbor server at {server.start()} (log {server.log}); Ctrl-C stops it",
+                        lambda: server.proc is not None and server.proc.poll() is None, server.stop)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """Harbor rollout details -> samples, on details shaped like harbor serve's (the real server and
 trials are exercised in test_integration.py)."""
+import os
+import subprocess
+import sys
+
 import pytest
 from miles import MilesError, Task
 from miles.types import Status
@@ -109,3 +113,16 @@ def test_the_agents_weight_versions_reach_the_sample():
     del turns["extra"]
     s = HarborRollout(HarborRolloutConfig())._sample(task, detail({"reward": 0.5}, [turns]), Tok(), 7)
     assert (s.weight_version, s.weight_versions) == (7, [7])
+
+
+
+def test_the_env_tokenizer_and_the_tiny_policy_need_no_pytest(tmp_path):
+    """A user's install runs the connector without test tools: pytest is blocked in a fresh interpreter."""
+    code = ("import sys; sys.modules['pytest'] = None\n"
+            "from miles_plugin_harbor import tiny_policy\n"
+            "from miles_plugin_harbor.config import HarborConfig\nfrom miles_plugin_harbor.env import HarborEnv\n"
+            "tok = HarborEnv(HarborConfig(chars='ab')).tokenizer()\n"
+            "assert tok('ab', add_special_tokens=False)['input_ids'] == [3, 4]\n"
+            f"tiny_policy.write({str(tmp_path / 'p')!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert (tmp_path / "p" / "model.safetensors").is_file()

@@ -21,14 +21,13 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from miles import MilesError
-from miles_procs import kill_until_gone, stop_session, venv_from_script
+from miles_procs import default_sigint, kill_until_gone, serve_until_stopped, stop_session, venv_from_script
 
 from .client import health
 
@@ -94,7 +93,7 @@ class GymServers:
             # miles' Python 3.11 paths must not leak into NeMo Gym's 3.12, nor another Ray's address
             env.pop(key, None)
         self.proc = subprocess.Popen(self.command(venv), cwd=GYM_ROOT, env=env, stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_default_sigint)
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
         deadline = time.monotonic() + timeout_s
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -118,16 +117,6 @@ class GymServers:
             kill_until_gone(lambda: ray_pids(ray_dir))  # a raylet may start one more worker meanwhile
             shutil.rmtree(self.ray_dir, ignore_errors=True)
             self.ray_dir = None
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _default_sigint() -> None:
-    """In ng_run's child: SIGINT back to its default. A shell's background job inherits SIGINT
-    ignored, and ng_run shuts its servers and Ray down cleanly only on a SIGINT it receives."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def ray_pids(ray_dir: Path) -> list[int]:
@@ -180,17 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     servers = GymServers(args.policy_url, args.agent_port, args.head_port, Path(args.work_dir).resolve(),
                          api_key=args.api_key)
-    # `kill` (SIGTERM) stops the servers as Ctrl-C does; a shell's background job ignores SIGINT
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        print(f"NeMo Gym agent at {servers.start()} (log {servers.log}); Ctrl-C stops it", flush=True)
-        while servers.proc is not None and servers.proc.poll() is None:
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second TERM must not cut the stop short
-        servers.stop()
+    # Ctrl-C or `kill` (SIGTERM) stops ng_run, its servers and its Ray
+    serve_until_stopped(lambda: f"NeMo Gym agent at {servers.start()} (log {servers.log}); Ctrl-C stops it",
+                        lambda: servers.proc is not None and servers.proc.poll() is None, servers.stop)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 shaped like NeMo Gym's (the real servers are exercised in test_integration.py)."""
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -161,3 +164,12 @@ def test_demonstrations_are_the_rows_teacher_answers(tmp_path):
     rows.write_text('{"responses_create_params": {"input": "1+1="}, "expected_answer": "2"}\n')
     with pytest.raises(MilesError, match="env.demo_field"):
         NemoGymEnv(NemoGymConfig(train_file=str(rows))).demonstrations()
+
+
+def test_the_tiny_policy_needs_no_pytest(tmp_path):
+    """A user's install runs the connector without test tools: pytest is blocked in a fresh interpreter."""
+    code = ("import sys; sys.modules['pytest'] = None\n"
+            "from miles_plugin_nemo_gym import tiny_policy\n"
+            f"tiny_policy.main([{str(tmp_path / 'p')!r}, '--seed', '1'])")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert (tmp_path / "p" / "model.safetensors").is_file() and (tmp_path / "p" / "chat_template.jinja").is_file()

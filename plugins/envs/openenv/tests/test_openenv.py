@@ -2,6 +2,8 @@
 import math
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -250,3 +252,12 @@ def test_registration_is_lazy():
 
     assert_lazy_registration("miles_plugin_openenv", "envs", "openenv")
     assert_lazy_registration("miles_plugin_openenv", "rollouts", "openenv")
+
+
+def test_the_env_tokenizer_needs_no_pytest():
+    """A user's install runs the connector without test tools: pytest is blocked in a fresh interpreter."""
+    code = ("import sys; sys.modules['pytest'] = None\n"
+            "from miles_plugin_openenv.config import OpenEnvConfig\nfrom miles_plugin_openenv.env import OpenEnvEnv\n"
+            "tok = OpenEnvEnv(OpenEnvConfig(chars='12')).tokenizer()\n"
+            "assert tok('21', add_special_tokens=False)['input_ids'] == [4, 3]")
+    subprocess.run([sys.executable, "-c", code], check=True)

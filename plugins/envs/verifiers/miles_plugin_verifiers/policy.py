@@ -19,11 +19,9 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def chat_tokenizer(chars: str) -> Any:
-    from miles.testing import char_tokenizer
+    from miles_tinypolicy import char_tokenizer
 
-    tok = char_tokenizer(chars)
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return char_tokenizer(chars, CHAT_TEMPLATE)
 
 
 def write_policy_folder(recipe: str, out: str, overrides: list[str] | None = None) -> Path:

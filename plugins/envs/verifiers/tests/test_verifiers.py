@@ -3,6 +3,7 @@ real ``miles serve``; failure handling against a worker that is down, slow or ma
 import json
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -202,3 +203,13 @@ def test_registration_is_lazy():
 
     assert_lazy_registration("miles_plugin_verifiers", "envs", "verifiers")
     assert_lazy_registration("miles_plugin_verifiers", "rollouts", "verifiers")
+
+
+def test_the_policy_tokenizer_needs_no_pytest():
+    """A user's install runs the connector without test tools: pytest is blocked in a fresh interpreter."""
+    code = ("import sys; sys.modules['pytest'] = None\n"
+            "from miles_plugin_verifiers.policy import chat_tokenizer\n"
+            "tok = chat_tokenizer('12+=')\n"
+            "ids = tok.apply_chat_template([{'role': 'user', 'content': '1+2='}], tokenize=True, return_dict=False)\n"
+            "assert tok.decode(ids) == '1+2='")
+    subprocess.run([sys.executable, "-c", code], check=True)
