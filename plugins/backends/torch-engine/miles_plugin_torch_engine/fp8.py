@@ -17,6 +17,7 @@ fp8 tensor and its ``*_scale_inv``) are taken as they are.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -65,10 +66,24 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
-    """FP8 GEMMs: CPU (torch >= 2.x has a reference kernel) and CUDA devices of compute capability >= 8.9."""
+    """FP8 GEMMs with rowwise scales: CUDA devices of compute capability >= 8.9, and CPU where this
+    torch's kernel takes rowwise scales (2.13 does; older ones take one scale per tensor only)."""
     if not hasattr(torch, "_scaled_mm"):
         return False
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu" and _cpu_rowwise()
+
+
+@functools.cache
+def _cpu_rowwise() -> bool:
+    """Whether CPU ``torch._scaled_mm`` accepts rowwise scales (tried once on a 16x16 product)."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -77,28 +92,29 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block:
     with rowwise scales (the token's scale, and each output row's block scale), summed in float32.
 
     CUDA's rowwise-scaled FP8 GEMM wants ``K`` and ``N`` multiples of 16, a column-major second
-    operand, float32 scales ``[T, 1]`` and ``[1, N]`` and a bfloat16 output, so edge groups are
-    zero-padded to a full block and ``N`` to a multiple of 16 (zeros add nothing to the products;
-    the padded outputs are dropped); CPU takes the same layout."""
+    operand, float32 scales ``[T, 1]`` and ``[1, N]`` and a bfloat16 output, and cuBLAS refuses
+    token counts whose scale vectors are not 16-byte aligned, so edge groups are zero-padded to a
+    full block and ``T`` and ``N`` to multiples of 16 (zeros add nothing to the products; the padded
+    outputs are dropped); CPU takes the same layout."""
     T, K = x.shape
     N = q.shape[0]
-    G, Np = -(-K // block), -(-N // 16) * 16
+    G, Tp, Np = -(-K // block), -(-T // 16) * 16, -(-N // 16) * 16
     out_dtype = torch.bfloat16 if x.is_cuda else torch.float32  # CUDA's rowwise scaling wants bf16 out
-    xg = F.pad(x.float(), (0, G * block - K)).view(T, G, block)
-    sa = xg.abs().amax(dim=-1).clamp(min=1e-12) / E4M3_MAX  # [T, G]: one scale per token and group
-    # [G, T, block] row-major per group; cast after the transpose (float8 copies are not everywhere)
+    xg = F.pad(x.float(), (0, G * block - K, 0, Tp - T)).view(Tp, G, block)
+    sa = xg.abs().amax(dim=-1).clamp(min=1e-12) / E4M3_MAX  # [Tp, G]: one scale per token and group
+    # [G, Tp, block] row-major per group; cast after the transpose (float8 copies are not everywhere)
     xq = (xg / sa[..., None]).clamp(-E4M3_MAX, E4M3_MAX).transpose(0, 1).contiguous().to(torch.float8_e4m3fn)
-    sa = sa.t().contiguous()  # [G, T]
+    sa = sa.t().contiguous()  # [G, Tp]
     # the weight as [G, Np, block] bytes (0 is e4m3's +0.0); group g's .t() is column-major [block, Np]
     qb = F.pad(q.view(torch.uint8), (0, G * block - K, 0, Np - N))
     qg = qb.view(Np, G, block).transpose(0, 1).contiguous().view(torch.float8_e4m3fn)
     sb = F.pad(scale_inv.float().repeat_interleave(block, 0)[:N], (0, 0, 0, Np - N), value=1.0)
     sb = sb.t().contiguous()  # [G, Np]: each output row's scale in group g
-    acc = torch.zeros(T, Np, dtype=torch.float32, device=x.device)
+    acc = torch.zeros(Tp, Np, dtype=torch.float32, device=x.device)
     for g in range(G):
         acc += torch._scaled_mm(xq[g], qg[g].t(), scale_a=sa[g].unsqueeze(1), scale_b=sb[g].unsqueeze(0),
                                 out_dtype=out_dtype).float()
-    return acc[:, :N].to(x.dtype)
+    return acc[:T, :N].to(x.dtype)
 
 
 class _Quantized(torch.nn.Module):

@@ -311,9 +311,9 @@ def test_gpu_fp8_linear_is_within_e4m3_rounding_of_the_dequantized_matmul(shape,
     bound = (2 ** -4 + 2 ** -6) * (x.abs() @ wq.abs().t()) + floor @ wq.abs().t()
     err = (got - ref).abs()
     assert torch.isfinite(got).all() and (err <= bound).all(), float((err / bound).max())
-    # and it is the CPU path's product (the same rounded operands), up to the bfloat16 partials
-    cpu = fp8_linear(x, q, s)
-    assert ((got - cpu).abs() <= 2 ** -6 * (x.abs() @ wq.abs().t()) + 1e-6).all()
+    # and it is the product of the same rounded operands as on CPU, up to the bfloat16 partials
+    rounded = _activations_quantized(x) @ wq.t()
+    assert ((got - rounded).abs() <= 2 ** -6 * (x.abs() @ wq.abs().t()) + 1e-6).all()
     # a wrong layout or scale would be off by the whole product, not by a rounding step
     assert (err.norm() / ref.norm()) < 2 ** -4
 
@@ -322,13 +322,16 @@ def test_gpu_fp8_linear_is_within_e4m3_rounding_of_the_dequantized_matmul(shape,
 @needs_fp8_gpu
 def test_gpu_fp8_engine_generates_like_the_bf16_engine():
     """A tiny model on CUDA with FP8 weights (FP8 GEMMs, bf16 activations): finite log-probs, and
-    greedy tokens that mostly match the bf16 engine's (an early flip can change a row's rest)."""
+    greedy tokens that mostly match the bf16 engine's. This random model's next-token choices are
+    often near ties (FP8's log-prob error is a few tenths at most), so: most free-running tokens
+    match (an early flip can change a row's rest), most teacher-forced choices match, and every
+    choice the bf16 engine makes by more than 0.5 nats is FP8's too."""
     fp8, master, tok = engine("fp8", device="cuda")
     bf16, _, _ = engine("model", device="cuda")
     q = fp8.model.model.layers[0].self_attn.q_proj
     assert q.weight.is_cuda and q.weight.dtype == torch.float8_e4m3fn and q.gemm == "scaled_mm"
-    prompts = [tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"] for a, b in
-               [(12, 34), (56, 78), (90, 11), (23, 45), (67, 89), (10, 20), (31, 42), (53, 64)]]
+    pairs = [(a, b) for a in range(10, 99, 7) for b in range(13, 99, 29)][:32]
+    prompts = [tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"] for a, b in pairs]
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     got = [g[0] for g in fp8.generate(prompts, params)]
     want = [g[0] for g in bf16.generate(prompts, params)]
@@ -336,4 +339,15 @@ def test_gpu_fp8_engine_generates_like_the_bf16_engine():
     assert all(torch.isfinite(torch.tensor(c.logprobs)).all() for c in got)
     same = [a == b for c, d in zip(got, want) for a, b in zip(c.token_ids, d.token_ids)]
     first = sum(c.token_ids[0] == d.token_ids[0] for c, d in zip(got, want))
-    assert first >= 7 and sum(same) >= 0.75 * len(same), (first, sum(same), len(same))
+    assert first >= 0.75 * len(prompts) and sum(same) >= 0.7 * len(same), (first, sum(same), len(same))
+    agree, margin = [], []
+    with torch.no_grad():
+        for p, d in zip(prompts, want):
+            ids = torch.tensor([p + d.token_ids[:-1]], device="cuda")
+            a = fp8.model(input_ids=ids).logits[0, len(p) - 1:].float()
+            b = bf16.model(input_ids=ids).logits[0, len(p) - 1:].float().log_softmax(-1)
+            top = b.topk(2, -1).values
+            agree.append(a.argmax(-1) == b.argmax(-1))
+            margin.append(top[:, 0] - top[:, 1])
+    agree, margin = torch.cat(agree), torch.cat(margin)
+    assert agree.float().mean() >= 0.8 and agree[margin > 0.5].all(), (agree.float().mean(), margin[~agree])
