@@ -12,7 +12,7 @@ training FLOPs per token = 6 * (matmul weights, LM head included) + 6 * layers *
 (causal attention scores and values, forward and backward).
 
     python benchmarks/trainer_megatron_vs_fsdp2.py --device cuda [--samples 512] [--seq 1024]
-        [--micro 16] [--steps 3]
+        [--micro 16] [--steps 3] [--compile]
 
 The last line reads ``trainer megatron/fsdp2 tokens/s ratio R (megatron T tok/s MFU M%, fsdp2 ...)``.
 """
@@ -98,7 +98,7 @@ def make(kind: str, spec: Spec, args: argparse.Namespace) -> Any:
     from miles_plugin_fsdp2.trainer import FSDP2Trainer
 
     cfg = FSDP2Config(device=args.device, shard=args.device.startswith("cuda"), mixed_precision="bf16",
-                      micro_batch_size=args.micro, lr=1e-5)
+                      micro_batch_size=args.micro, lr=1e-5, compile=args.compile)
     return FSDP2Trainer(cfg, spec=spec, tokenizer=None, total_steps=10)
 
 
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=["qwen2-0.5b", "tiny"], default="qwen2-0.5b")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--only", choices=["megatron", "fsdp2"], default=None)
+    ap.add_argument("--compile", action="store_true", help="fsdp2 with trainer.compile (compiled decoder layers)")
     args = ap.parse_args(argv)
     shape = QWEN2_05B if args.shape == "qwen2-0.5b" else TINY
     spec, batch = Spec(shape, args.seq), make_batch(args.samples, args.seq, args.prompt, shape["vocab_size"])

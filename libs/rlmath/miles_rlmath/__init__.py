@@ -12,6 +12,8 @@ Modules (each name is also importable from the package, loaded on first access s
   ``tis_weights``, ``mismatch_keep``, ``sampled_entropy``;
 * ``value``: ``value_clip_loss``, ``explained_variance``;
 * ``policy``: ``policy_loss`` (the clipped policy loss with every shared option) and ``reward_kl``;
+* ``logprobs``: ``token_logprobs`` (chosen tokens' log-probs from a model's logits; fused Triton
+  kernels on CUDA, no float32 copy of the logits), ``fused_available``;
 * ``config``: ``PolicyLossConfig``, the pydantic settings of that loss (torch-free).
 
 Tensors are ``[B, R]`` over a batch's actions (response tokens) with a ``loss_mask`` of the same
@@ -29,6 +31,7 @@ _MODULES = {
               "tis_weights", "mismatch_keep", "sampled_entropy"),
     "value": ("value_clip_loss", "explained_variance"),
     "policy": ("policy_loss", "reward_kl", "has_rollout_logprobs"),
+    "logprobs": ("token_logprobs", "fused_available"),
     "config": ("PolicyLossConfig", "LossAgg", "KLEstimator"),
 }
 _PUBLIC = {name: module for module, names in _MODULES.items() for name in names}

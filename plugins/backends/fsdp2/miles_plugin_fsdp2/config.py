@@ -39,6 +39,9 @@ class FSDP2Config(BaseModel):
         "input gradients): oneDNN was 1.2-1.4x faster than MKL on an AMD EPYC host, on par on an "
         "Intel Xeon (benchmarks/cpu_gemm.py), and small layers slower in oneDNN; auto: oneDNN on AMD "
         "CPUs where torch has it for decoder layers of >= 512k weights, else MKL")
+    compile: bool = Field(False, description="on CUDA, torch.compile each decoder layer: its norms, "
+                          "activation and rotary embedding become fused kernels (the first steps "
+                          "take longer while they compile); ignored on CPU")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up, in optimizer steps")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed LR, as a fraction of lr")

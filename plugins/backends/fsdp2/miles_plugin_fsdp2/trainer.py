@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from miles_fastpath.schedule import lr_lambda
 from miles_fastpath import cpu_gemm
+from miles_rlmath.logprobs import token_logprobs
 
 from miles import Batch, MilesError
 from miles.protocols import ScoresActions
@@ -51,11 +52,8 @@ def response_logprobs(model: torch.nn.Module, batch: Batch, shared: bool | None 
         logits = _shared_prompt_logits(model, batch, runs)
     else:
         logits = _full_logits(model, batch)
-    if batch.temperature != 1.0:
-        logits = logits / batch.temperature
-    targets = batch.input_ids[:, batch.prompt_len:]
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    # on CUDA one fused pass over the logits in their own dtype; on CPU the float32 formula
+    return token_logprobs(logits, batch.input_ids[:, batch.prompt_len:], batch.temperature)
 
 
 def split_logprobs(model: torch.nn.Module, batch: Batch, w: workers.Workers, gemm: str = "mkl") -> torch.Tensor:
@@ -68,7 +66,7 @@ def _full_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     R = batch.input_ids.shape[1] - batch.prompt_len
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, logits_to_keep=R + 1, use_cache=False)
-    return out.logits[:, :-1].float()
+    return out.logits[:, :-1]
 
 
 def _shared_prompt_logits(model: torch.nn.Module, batch: Batch, runs: list[int]) -> torch.Tensor:
@@ -82,7 +80,7 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: Batch, runs: list[int])
     out = model(input_ids=batch.input_ids[rows, :P], attention_mask=batch.attention_mask[rows, :P],
                 position_ids=batch.position_ids[rows, :P], use_cache=True, logits_to_keep=1)
     reps = n if uniform else torch.tensor(runs, device=dev)
-    first = out.logits[:, -1:].float().repeat_interleave(reps, dim=0)  # predicts response token 0
+    first = out.logits[:, -1:].repeat_interleave(reps, dim=0)  # predicts response token 0
     if L - P == 1:
         return first
     cache = getattr(out, kw)
@@ -92,7 +90,7 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: Batch, runs: list[int])
         cache.batch_select_indices(torch.arange(len(runs), device=dev).repeat_interleave(reps))
     rest = model(input_ids=batch.input_ids[:, P:L - 1], attention_mask=batch.attention_mask[:, :L - 1],
                  position_ids=batch.position_ids[:, P:L - 1], use_cache=True, **{kw: cache})
-    return torch.cat([first, rest.logits.float()], dim=1)
+    return torch.cat([first, rest.logits], dim=1)
 
 
 def _runs(batch: Batch) -> list[int]:
@@ -176,6 +174,9 @@ class FSDP2Trainer:
         model = model.to(self.device)
         if self.sharded:
             dist_.shard(model, self.device, self.cfg.mixed_precision)
+        if self.cfg.compile and self.device.type == "cuda":
+            for layer in dist_.decoder_layers(model):
+                layer.compile(dynamic=True)  # rows and lengths change every step: no recompiles
         return model
 
     def _to(self, batch: Batch) -> Batch:

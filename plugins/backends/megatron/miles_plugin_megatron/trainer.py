@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from miles_fastpath.schedule import lr_lambda
+from miles_rlmath.logprobs import fused_available, token_logprobs
 from miles import Batch, MilesError
 
 from . import arch as arch_
@@ -163,6 +164,9 @@ class MegatronTrainer:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         _, index = right_aligned(batch)
+        targets = batch.input_ids[:, batch.prompt_len:]
+        if self.tp == 1 and fused_available(logits.device):  # one pass over the bf16 logits, no copies
+            return token_logprobs(logits, targets, batch.temperature, index, self.arch.vocab)
         V = logits.shape[-1]
         logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, V)).float()
         if batch.temperature != 1.0:
@@ -171,7 +175,6 @@ class MegatronTrainer:
         if start + V > self.arch.vocab:  # rows padded so the vocabulary splits evenly: never sampled
             cols = torch.arange(start, start + V, device=logits.device) >= self.arch.vocab
             logits = logits.masked_fill(cols, float("-inf"))
-        targets = batch.input_ids[:, batch.prompt_len:]
         return -vocab_parallel_cross_entropy(logits, targets)
 
     def _my_rows(self, n: int) -> tuple[list[int], list[int]]:
