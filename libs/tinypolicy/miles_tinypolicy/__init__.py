@@ -13,20 +13,23 @@ __all__ = ["DEFAULT_CHARS", "char_tokenizer", "write_policy", "policy_cli"]
 DEFAULT_CHARS = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz"
 
 
-def char_tokenizer(chars: str = DEFAULT_CHARS, chat_template: str | None = None) -> Any:
+def char_tokenizer(chars: str = DEFAULT_CHARS, chat_template: str | None = None, *, bos: bool = True) -> Any:
     """A real Hugging Face fast tokenizer with one token per character of ``chars`` after
-    ``<pad>`` (0), ``<eos>`` (1) and ``<bos>`` (2); a character outside ``chars`` is ``<pad>``."""
+    ``<pad>`` (0), ``<eos>`` (1) and ``<bos>`` (2); a character outside ``chars`` is ``<pad>``.
+    ``bos=False`` leaves ``<bos>`` out, so the characters start at id 2 (the arith env's ids,
+    which its checkpoints and recipes are sized for)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    specials = {"pad_token": "<pad>", "eos_token": "<eos>", **({"bos_token": "<bos>"} if bos else {})}
+    vocab = {name: i for i, name in enumerate(specials.values())}
     for c in chars:
         vocab.setdefault(c, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     # [\s\S], not ".": the regex dot skips newlines, which would merge a run of them into one token
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()  # characters join without spaces
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
     if chat_template is not None:
         hf.chat_template = chat_template
     return hf

@@ -16,6 +16,12 @@ def test_one_token_per_character_newlines_and_spaces_included():
     assert (tok.eos_token_id, tok.bos_token_id) == (1, 2) and tok.chat_template is None
 
 
+def test_without_bos_the_characters_start_at_two():
+    tok = char_tokenizer("ab", bos=False)
+    assert tok("ba", add_special_tokens=False)["input_ids"] == [3, 2]
+    assert (len(tok), tok.eos_token_id, tok.bos_token_id, tok.bos_token) == (4, 1, None, None)
+
+
 def test_the_policy_folder_is_seeded_and_loads_with_its_chat_template(tmp_path):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 

@@ -18,15 +18,11 @@ CHARS = "0123456789+="
 
 
 def char_tokenizer() -> Any:
-    """A Hugging Face fast tokenizer with one token per character (built locally, no hub)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A Hugging Face fast tokenizer with one token per character of ``CHARS`` (built locally, no
+    hub): ``<pad>`` 0, ``<eos>`` 1, then ``0``..``9``, ``+``, ``=`` from 2, no ``<bos>``."""
+    from miles_tinypolicy import char_tokenizer as shared
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()  # characters join without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+    return shared(CHARS, bos=False)
 
 
 class ArithEnv:

@@ -42,3 +42,11 @@ def test_registration_is_lazy():
     from miles.testing import assert_lazy_registration
 
     assert_lazy_registration("miles_plugin_arith", "envs", "arith")
+
+
+def test_the_tokenizer_keeps_the_quickstart_ids():
+    # the digits, "+" and "=" at 2..13 and no <bos>: a model sized for 14 tokens loads unchanged
+    tok = ArithEnv(ArithConfig(digits=1, eval_size=10)).tokenizer()
+    assert tok.encode("0123456789+=", add_special_tokens=False) == list(range(2, 14))
+    assert (len(tok), tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (14, 0, 1, None)
+    assert tok.encode("7?", add_special_tokens=False) == [9, tok.pad_token_id]
