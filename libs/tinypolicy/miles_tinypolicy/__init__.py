@@ -5,6 +5,8 @@ second. Nothing here imports pytest, so product code may use it."""
 from __future__ import annotations
 
 import argparse
+import errno
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,22 +45,30 @@ def write_policy(folder: str | Path, chars: str, chat_template: str, *, seed: in
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    out = Path(folder)
+    if out.exists() and not out.is_dir():  # save_pretrained only logs this and writes nothing
+        raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder", str(out))
     tok = char_tokenizer(chars, chat_template)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
-    out = Path(folder)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
 
 def policy_cli(write: Callable[..., Path], description: str, argv: list[str] | None = None) -> None:
-    """``FOLDER [--seed N]``: call ``write(folder, seed)`` and print the folder it wrote."""
-    ap = argparse.ArgumentParser(description=description)
+    """``FOLDER [--seed N]``: call ``write(folder, seed)`` and print the folder it wrote. A folder
+    that cannot be written is a one-line usage error (exit 2), not a traceback."""
+    spec = getattr(sys.modules.get(write.__module__), "__spec__", None)  # the module's name under -m too
+    ap = argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec else None, description=description)
     ap.add_argument("folder")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    print(write(args.folder, args.seed))
+    try:
+        print(write(args.folder, args.seed))
+    except OSError as e:
+        ap.exit(2, f"{ap.prog}: error: cannot write the policy folder {args.folder} "
+                   f"({e.strerror or e}); pass FOLDER as a new or existing folder you can write to\n")

@@ -14,7 +14,9 @@ import argparse
 import io
 import os
 import shutil
+import socket
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -26,6 +28,7 @@ from miles_procs import default_sigint, serve_until_stopped, stop_session, venv_
 MAKE_VENV = Path(__file__).resolve().parents[1] / "scripts" / "make_venv.sh"
 AGENT_DIR = Path(__file__).resolve().parent / "agent"  # miles_harbor_agent, imported by Harbor
 BASE_IMAGE = "localhost/miles-harbor-base:latest"
+PROG = "python -m miles_plugin_harbor.launch"
 TOOLS = ["bash", "sh", "cat", "echo", "mkdir", "chmod", "rm", "cp", "mv", "ls", "sleep", "env", "tar",
          "test", "timeout", "mktemp", "stat", "gzip", "base64", "find", "head", "tail", "tee", "true"]
 CONTAINERS_CONF = """[containers]
@@ -153,10 +156,12 @@ class HarborServer:
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
         deadline = time.monotonic() + timeout_s
         while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
                 tail = self.log.read_text()[-3000:]
                 self.stop()
-                raise MilesError(f"harbor serve did not come up in {timeout_s:.0f}s (log {self.log}):\n{tail}")
+                why = f"exited with code {code}" if code is not None else f"did not come up in {timeout_s:.0f}s"
+                raise MilesError(f"harbor serve {why} (log {self.log}); its last lines:\n{tail}")
             time.sleep(0.5)
         return self.url
 
@@ -175,16 +180,47 @@ class HarborServer:
         self.proc = None
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def free_port(flag: str, port: int) -> int:
+    """``port`` when nothing listens on it at 127.0.0.1, else a usage error naming ``flag``."""
+    if not 0 < port < 65536:
+        raise MilesError(f"{flag} {port} is not a TCP port; pass one in 1..65535")
+    with socket.socket() as s:
+        # SO_REUSEADDR as servers set it: only a listening socket makes the port busy, not TIME_WAIT
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise MilesError(f"{flag} {port}: 127.0.0.1:{port} is in use ({e.strerror}); pass a free {flag} "
+                             "or stop what listens there") from None
+    return port
+
+
+def work_folder(path: str) -> Path:
+    """``--work-dir``, created; a usage error when it is a file or cannot be created."""
+    folder = Path(path).resolve()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MilesError(f"--work-dir {path}: cannot create the folder ({e.strerror}); pass a folder path "
+                         "you can write to") from None
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8390)
     ap.add_argument("--work-dir", default="runs/harbor_server", help="logs, data, containers.conf")
     args = ap.parse_args(argv)
-    server = HarborServer(args.port, Path(args.work_dir).resolve())
-    # Ctrl-C or `kill` (SIGTERM) stops the server and the trial processes it left
-    serve_until_stopped(lambda: f"Harbor server at {server.start()} (log {server.log}); Ctrl-C stops it",
-                        lambda: server.proc is not None and server.proc.poll() is None, server.stop)
+    try:  # bad input is one line naming the flag (exit 2), as `miles` reports it, not a traceback
+        server = HarborServer(free_port("--port", args.port), work_folder(args.work_dir))
+        # Ctrl-C or `kill` (SIGTERM) stops the server and the trial processes it left
+        serve_until_stopped(lambda: f"Harbor server at {server.start()} (log {server.log}); Ctrl-C stops it",
+                            lambda: server.proc is not None and server.proc.poll() is None, server.stop)
+    except MilesError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,10 +21,13 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from miles import MilesError
 from miles_procs import default_sigint, kill_until_gone, serve_until_stopped, stop_session, venv_from_script
@@ -37,6 +40,7 @@ SERVERS = {"resources_servers/miles_arith": "resources_servers/miles_arith/confi
            "responses_api_models/miles_model": "responses_api_models/miles_model/configs/miles_model.yaml",
            "responses_api_agents/simple_agent": None}  # NeMo Gym's own agent; its config is in miles_arith.yaml
 AGENT = "miles_arith_simple_agent"
+PROG = "python -m miles_plugin_nemo_gym.launch"
 
 
 def ensure_venv(timeout_s: float = 1800) -> Path:
@@ -80,9 +84,9 @@ class GymServers:
                 f"hydra.run.dir={self.work_dir / 'hydra'}"]  # not outputs/ beside the bundled configs
 
     def start(self, timeout_s: float = 300) -> str:
-        venv = ensure_venv()
-        if self.model_name is None:
+        if self.model_name is None:  # a wrong --policy-url fails here, before minutes of venv building
             self.model_name = served_model(self.policy_url, self.api_key)
+        venv = ensure_venv()
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # short and under /tmp: Ray's socket paths inside it must stay under the kernel's 107 bytes
         self.ray_dir = Path(tempfile.mkdtemp(prefix="ngray", dir="/tmp"))
@@ -96,10 +100,12 @@ class GymServers:
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
         deadline = time.monotonic() + timeout_s
         while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
                 tail = self.log.read_text()[-3000:]
                 self.stop()
-                raise MilesError(f"NeMo Gym servers did not come up in {timeout_s:.0f}s (log {self.log}):\n{tail}")
+                why = f"exited with code {code}" if code is not None else f"did not come up in {timeout_s:.0f}s"
+                raise MilesError(f"NeMo Gym's ng_run {why} (log {self.log}); its last lines:\n{tail}")
             time.sleep(1.0)
         return self.agent_url
 
@@ -150,29 +156,71 @@ def served_model(policy_url: str, api_key: str) -> str:
     import httpx
 
     try:
+        parts = urlsplit(policy_url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # an unclosed "[" of an IPv6 host, a port out of range
+        usable = False
+    if not usable:
+        raise MilesError(f"--policy-url {policy_url!r} is not an http(s) URL; pass miles serve's OpenAI base "
+                         "URL, e.g. http://127.0.0.1:30000/v1")
+    try:
         r = httpx.get(f"{policy_url.rstrip('/')}/models", headers={"Authorization": f"Bearer {api_key}"},
                       timeout=10, trust_env=False)
         r.raise_for_status()
         return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, IndexError, TypeError) as e:
         raise MilesError(f"no model listed at {policy_url}/models ({e}); is miles serve running there? "
                          "(--policy-url is its base URL ending in /v1)") from None
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def free_port(flag: str, port: int) -> int:
+    """``port`` when nothing listens on it at 127.0.0.1, else a usage error naming ``flag``."""
+    if not 0 < port < 65536:
+        raise MilesError(f"{flag} {port} is not a TCP port; pass one in 1..65535")
+    with socket.socket() as s:
+        # SO_REUSEADDR as servers set it: only a listening socket makes the port busy, not TIME_WAIT
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise MilesError(f"{flag} {port}: 127.0.0.1:{port} is in use ({e.strerror}); pass a free {flag} "
+                             "or stop what listens there") from None
+    return port
+
+
+def work_folder(path: str) -> Path:
+    """``--work-dir``, created; a usage error when it is a file or cannot be created."""
+    folder = Path(path).resolve()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MilesError(f"--work-dir {path}: cannot create the folder ({e.strerror}); pass a folder path "
+                         "you can write to") from None
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--policy-url", required=True, help="miles serve's OpenAI base URL, e.g. http://127.0.0.1:30000/v1")
     ap.add_argument("--agent-port", type=int, default=8100)
     ap.add_argument("--head-port", type=int, default=11000, help="NeMo Gym's head server")
     ap.add_argument("--work-dir", default="runs/nemo_gym_servers", help="logs and per-server venv links")
     ap.add_argument("--api-key", default=os.environ.get("MILES_API_KEY", "none"))
     args = ap.parse_args(argv)
-    servers = GymServers(args.policy_url, args.agent_port, args.head_port, Path(args.work_dir).resolve(),
-                         api_key=args.api_key)
-    # Ctrl-C or `kill` (SIGTERM) stops ng_run, its servers and its Ray
-    serve_until_stopped(lambda: f"NeMo Gym agent at {servers.start()} (log {servers.log}); Ctrl-C stops it",
-                        lambda: servers.proc is not None and servers.proc.poll() is None, servers.stop)
+    if args.agent_port == args.head_port:
+        ap.error(f"--agent-port and --head-port are both {args.agent_port}; give them different ports")
+    try:  # bad input is one line naming the flag (exit 2), as `miles` reports it, not a traceback
+        servers = GymServers(args.policy_url, free_port("--agent-port", args.agent_port),
+                             free_port("--head-port", args.head_port), work_folder(args.work_dir),
+                             api_key=args.api_key)
+        # Ctrl-C or `kill` (SIGTERM) stops ng_run, its servers and its Ray
+        serve_until_stopped(lambda: f"NeMo Gym agent at {servers.start()} (log {servers.log}); Ctrl-C stops it",
+                            lambda: servers.proc is not None and servers.proc.poll() is None, servers.stop)
+    except MilesError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,9 +12,11 @@ so the folder only has to match the architecture and the tokenizer.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
+PROG = "python -m miles_plugin_verifiers.policy"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
@@ -28,33 +30,43 @@ def write_policy_folder(recipe: str, out: str, overrides: list[str] | None = Non
     """Build the recipe's model (its ``model:`` section, the ``env.chars`` tokenizer) and save it
     with its tokenizer as a Hugging Face folder ``miles serve`` can load."""
     from miles import MilesError, make_plugin_manager
-    from miles.config import apply_overrides, read_yaml
+    from miles.config import ConfigError, apply_overrides, read_yaml, validate_section
 
     data = apply_overrides(read_yaml(recipe), overrides or [])
-    model = dict(data.get("model") or {})
-    name = model.pop("name", None)
     pm = make_plugin_manager()
-    if name not in pm.registry("model_specs"):
-        raise MilesError(f"{recipe}: model.name {name!r} is not a registered model spec")
-    comp = pm.registry("model_specs")[name]
-    spec = pm.create("model_specs", name, comp.config(**model) if comp.config else model, pm=pm)
+    problems: list[str] = []  # model.* problems named as `miles train` names them
+    name, settings = validate_section(pm, "model", data.get("model"), problems)
+    if problems:
+        raise ConfigError(problems, source=recipe)
+    folder = Path(out)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MilesError(f"OUT {out}: cannot create the folder ({e.strerror}); pass a folder path you can "
+                         "write to") from None
+    spec = pm.create("model_specs", name, settings, pm=pm)
     chars = (data.get("env") or {}).get("chars") or "0123456789+="
     tok = spec.build_tokenizer(chat_tokenizer(chars))
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
     spec.build_model(tok).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="write the model folder `miles serve` starts from")
+def main(argv: list[str] | None = None) -> int:
+    from miles import MilesError
+
+    ap = argparse.ArgumentParser(prog=PROG, description="write the model folder `miles serve` starts from")
     ap.add_argument("recipe")
     ap.add_argument("out")
     ap.add_argument("overrides", nargs="*", help="key=value, as for miles train")
     args = ap.parse_args(argv)
-    print(write_policy_folder(args.recipe, args.out, args.overrides))
+    try:  # a missing recipe or a bad key is one line (exit 2), as `miles` reports it, not a traceback
+        print(write_policy_folder(args.recipe, args.out, args.overrides))
+    except MilesError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

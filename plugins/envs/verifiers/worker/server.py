@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,14 +107,43 @@ class Worker:
                 "weight_version": reply.get("weight_version"), "finish_reason": reply.get("finish_reason")}
 
 
-def main(argv: list[str] | None = None) -> None:
+def bad_address(host: str, port: int) -> str | None:
+    """Why the worker cannot listen at ``host:port``, naming the flag and the fix; None when it can."""
+    if not 0 < port < 65536:  # 0 would leave the worker's URL unknown to the connector
+        return f"--port {port} is not a TCP port; pass one in 1..65535"
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        return f"--host {host}: cannot be resolved ({e.strerror}); pass an address of this machine, e.g. 127.0.0.1"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp: TIME_WAIT is no conflict
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return (f"--port {port}: {host}:{port} is in use ({e.strerror}); pass a free --port or stop "
+                        "what listens there")
+            return f"--host {host}: cannot listen there ({e.strerror}); pass an address of this machine"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="the verifiers worker for miles' verifiers connector")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--taskset", default="vf_arith", help="verifiers taskset id (an importable module)")
     ap.add_argument("--max-tasks", type=int, default=4096, help="taskset rows loaded at start")
     args = ap.parse_args(argv)
-    worker = Worker(args.taskset, args.max_tasks)
+    # bad input is one line naming the flag (exit 2, argparse's usage errors), not a traceback
+    problem = bad_address(args.host, args.port)
+    if args.max_tasks < 1:
+        problem = f"--max-tasks {args.max_tasks}: pass a positive number of taskset rows"
+    if problem:
+        ap.exit(2, f"{ap.prog}: error: {problem}\n")
+    try:
+        worker = Worker(args.taskset, args.max_tasks)
+    except ImportError as e:  # verifiers' loader says which module it tried and where tasksets come from
+        ap.exit(2, f"{ap.prog}: error: --taskset {args.taskset!r}: {e}\n")
     app = web.Application(client_max_size=64 << 20)
     app.on_startup.append(worker.start)
     app.on_cleanup.append(worker.stop)
@@ -122,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"verifiers worker ({args.taskset}, {len(worker.tasks)} tasks) on http://{args.host}:{args.port}",
           flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Bad input to the connector's commands (the policy folder writer, the worker in verifiers' own
+virtualenv), run as a user runs them: one line naming the argument and the fix, exit 2, no traceback."""
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PLUGIN = Path(__file__).resolve().parents[1]
+RECIPE = str(PLUGIN.parents[2] / "recipes/verifiers.yaml")
+POLICY = "miles_plugin_verifiers.policy"
+
+
+@pytest.fixture(scope="module")
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def assert_usage_error(p: subprocess.CompletedProcess, prog: str, *words: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "Traceback" not in p.stdout + p.stderr, p.stderr
+    assert p.stderr.startswith(f"{prog}: error: "), p.stderr
+    assert all(w in p.stderr for w in words), (words, p.stderr)
+
+
+def policy(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", POLICY, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_the_policy_writer_names_a_missing_recipe_a_bad_key_and_an_unwritable_folder(tmp_path):
+    out = tmp_path / "m"
+    assert_usage_error(policy(str(tmp_path / "nope.yaml"), str(out)), f"python -m {POLICY}",
+                       f"file {tmp_path / 'nope.yaml'} does not exist")
+    assert_usage_error(policy(RECIPE, str(out), "model.hidden=8"), f"python -m {POLICY}",
+                       "model.hidden: unknown key; allowed keys:")
+    assert_usage_error(policy(RECIPE, str(out), "model.name=nosuch"), f"python -m {POLICY}",
+                       "model.name: unknown model spec 'nosuch'")
+    assert not out.exists()  # nothing written for a recipe that does not validate
+    (tmp_path / "file").write_text("")
+    assert_usage_error(policy(RECIPE, str(tmp_path / "file/m")), f"python -m {POLICY}",
+                       f"OUT {tmp_path / 'file/m'}: cannot create the folder", "pass a folder path")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--port", "{busy}"], ["--port {busy}: 127.0.0.1:{busy} is in use", "pass a free --port"]),
+    (["--port", "0"], ["--port 0 is not a TCP port"]),
+    (["--max-tasks", "0"], ["--max-tasks 0: pass a positive number"]),
+    (["--taskset", "no_such_taskset", "--port", "{free}"], ["--taskset 'no_such_taskset':", "not found"]),
+])
+def test_the_worker_names_the_flag(vf_python, busy_port, args, words):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    args = [a.format(busy=busy_port, free=free) for a in args]
+    p = subprocess.run([vf_python, str(PLUGIN / "worker/server.py"), *args], capture_output=True, text=True,
+                       timeout=300)
+    assert_usage_error(p, "server.py", *[w.format(busy=busy_port) for w in words])
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
