@@ -27,7 +27,7 @@ Register = Callable[..., None]
 
 @hookspec(firstresult=True)
 def miles_reward(sample: Sample) -> float | None:
-    """Score one finished sample (once, after rollout, before grouping), overriding the
+    """Score one finished sample (called once, after rollout, before grouping), overriding the
     environment's verifier. firstresult: the first non-None return wins; return ``None`` to say
     "not mine" and let the next plugin (and finally the environment's own ``reward``) decide."""
 
