@@ -86,6 +86,9 @@ class DiffusersEngineConfig(Strict):
     image_size: int | None = Field(None, ge=4, description="image side; null = the model's")
     shift: float = Field(3.0, gt=0, description="timestep shift of the flow-matching schedule")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
+    prompt_cache: int = Field(1024, ge=0, description="prompts whose (frozen) text-encoder outputs the "
+                              "engine keeps, so a repeated prompt is not encoded again; 0 = encode "
+                              "every call")
 
 
 class DiffusionRolloutConfig(Strict):

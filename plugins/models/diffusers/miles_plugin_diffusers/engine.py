@@ -1,5 +1,6 @@
 """Engine ``diffusers``: samples images with the SDE (training) or ODE (evaluation) sampler and
-records each denoising trajectory: latents, sigmas, per-step log-probs, conditioning."""
+records each denoising trajectory: latents, sigmas, per-step log-probs, conditioning (evaluations
+ask for the final latents only)."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
@@ -28,6 +29,11 @@ class DiffusersEngine:
         self.latent_size = self.image_size // factor  # the side of what the transformer denoises
         self.channels = int(self.model.config.in_channels)
         self.sigmas = sde.sigmas(cfg.num_steps, cfg.shift)
+        # per-step constants, on the device once: the sampling loop then copies nothing per step
+        self._sigmas = self.sigmas.to(self.device)
+        self._timesteps = self._sigmas * 1000  # the transformer's timestep, as sde.velocity scales it
+        self._dts = self._sigmas[1:] - self._sigmas[:-1]  # the Euler steps' dt (negative)
+        self._cond: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}  # see _conditioning
         self.weight_version = 0
 
     # -- the kernel's Engine protocol --------------------------------------------------------------
@@ -51,36 +57,68 @@ class DiffusersEngine:
 
     @torch.no_grad()
     def sample(self, prompt_ids: Sequence[Sequence[int]], noise_seeds: Sequence[int], stochastic: bool,
-               step_seed: int = 0) -> dict[str, Any]:
+               step_seed: int = 0, trajectory: bool = True) -> dict[str, Any]:
         """One image per row. ``noise_seeds``: each row's initial noise (so an ODE sample depends
         only on its prompt, seed and weights); ``step_seed``: the SDE steps' noise of the batch.
         Returns CPU tensors: ``images`` ``[B, 3, H, W]`` in [0, 1] (decoded by the VAE in latent
-        space), ``latents`` ``[B, T+1, C, h, w]`` (the transformer's space: pixels or VAE latents),
-        ``sigmas`` ``[B, T+1]``, ``logprobs`` ``[B, T]`` (None for ODE), ``embeds``, ``pooled``
-        (``neg_*`` with guidance), ``eta``, ``guidance``."""
+        space), ``latents`` ``[B, T+1, C, h, w]`` (the transformer's space: pixels or VAE latents;
+        ``[B, 1, C, h, w]``, the final ones only, with ``trajectory=False``), ``sigmas`` ``[B, T+1]``,
+        ``logprobs`` ``[B, T]`` (None for ODE), ``embeds``, ``pooled`` (``neg_*`` with guidance),
+        ``eta``, ``guidance``."""
         dev, B, size = self.device, len(prompt_ids), self.latent_size
-        ids = torch.tensor([list(p) for p in prompt_ids], dtype=torch.long, device=dev)
-        embeds, pooled = text.embed(self.encoder, ids, self.tokenizer.pad_token_id)
-        cond = {"embeds": embeds, "pooled": pooled}
+        cond, host = {}, {}
+        cond["embeds"], cond["pooled"], host["embeds"], host["pooled"] = self._conditioning(prompt_ids)
         g = self.cfg.guidance_scale
         if g > 1.0:
-            empty = torch.tensor(self.encode([""]), device=dev).expand(B, -1)
-            cond["neg_embeds"], cond["neg_pooled"] = text.embed(self.encoder, empty, self.tokenizer.pad_token_id)
-        x = torch.stack([torch.randn((self.channels, size, size), generator=torch.Generator().manual_seed(int(s)))
-                         for s in noise_seeds]).to(dev)
-        sig = self.sigmas.to(dev).expand(B, -1).contiguous()
-        gen = torch.Generator(device=dev).manual_seed(int(step_seed))
+            empty = self.encode([""]) * B
+            cond["neg_embeds"], cond["neg_pooled"], host["neg_embeds"], host["neg_pooled"] = self._conditioning(empty)
+        # each row's noise from its own seed, drawn on the CPU into one tensor (one copy to the device)
+        x, gen_cpu = torch.empty((B, self.channels, size, size)), torch.Generator()
+        for i, s in enumerate(noise_seeds):
+            torch.randn((self.channels, size, size), generator=gen_cpu.manual_seed(int(s)), out=x[i])
+        x = x.to(dev)
+        timesteps, dts = self._timesteps.expand(B, -1), self._dts
         lats, lps = [x], []
+        if stochastic:
+            sig = self._sigmas.expand(B, -1).contiguous()
+            gen = torch.Generator(device=dev).manual_seed(int(step_seed))
         for t in range(len(self.sigmas) - 1):
-            v = sde.velocity(self.model, x, sig[:, t], cond, g)
+            v = sde.velocity(self.model, x, None, cond, g, timestep=timesteps[:, t])
             if stochastic:
                 x, lp = sde.sde_step(x, v, sig[:, t], sig[:, t + 1], sig[:, 1], self.cfg.eta, gen)
                 lps.append(lp)
             else:
-                x = sde.ode_step(x, v, sig[:, t], sig[:, t + 1])
-            lats.append(x)
-        out = {k: v.cpu() for k, v in cond.items()}
-        out.update(images=self.spec.decode(x).cpu(), latents=torch.stack(lats, 1).cpu(),
-                   sigmas=sig.cpu(), logprobs=torch.stack(lps, 1).cpu() if stochastic else None,
-                   eta=self.cfg.eta, guidance=g)
+                x = sde.ode_step(x, v, dts[t])
+            if trajectory:
+                lats.append(x)
+        out: dict[str, Any] = dict(host)
+        out.update(images=self.spec.decode(x).cpu(),
+                   latents=torch.stack(lats, 1).cpu() if trajectory else x[:, None].cpu(),
+                   sigmas=self.sigmas.expand(B, -1).clone(),
+                   logprobs=torch.stack(lps, 1).cpu() if stochastic else None, eta=self.cfg.eta, guidance=g)
         return out
+
+    def _conditioning(self, prompt_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+        """Text-encoder states of each row: ``embeds`` ``[B, L, D]`` and ``pooled`` ``[B, D]`` on the
+        engine's device, then the same on the CPU. The encoder is frozen, so each prompt's states are
+        kept (up to ``engine.prompt_cache`` prompts) and a prompt is encoded once: repeated prompts
+        (groups, evaluations) cost no encoder call and no copy to the host."""
+        keys = [tuple(int(i) for i in p) for p in prompt_ids]
+        missing = [k for k in keys if k not in self._cond]
+        rows = [self._cond.get(k) for k in keys]
+        if missing:  # every row not kept yet (repeats too), encoded as one batch
+            ids = torch.tensor(missing, dtype=torch.long, device=self.device)
+            batch = text.embed(self.encoder, ids, self.tokenizer.pad_token_id)
+            batch = (*batch, batch[0].cpu(), batch[1].cpu())
+            fresh = iter(range(len(missing)))
+            for i, k in enumerate(keys):
+                if rows[i] is None:
+                    j = next(fresh)
+                    rows[i] = tuple(t[j] for t in batch)
+                    if self.cfg.prompt_cache and k not in self._cond:  # a copy: the batch is not kept alive
+                        self._cond[k] = tuple(t.clone() for t in rows[i])
+            while len(self._cond) > self.cfg.prompt_cache:  # the oldest prompts go first
+                self._cond.pop(next(iter(self._cond)))
+            if len(missing) == len(keys):
+                return batch
+        return tuple(torch.stack([r[i] for r in rows]) for i in range(4))

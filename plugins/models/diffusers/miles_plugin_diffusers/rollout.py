@@ -3,7 +3,8 @@
 A sample's actions are its denoising steps: ``logprobs`` and ``loss_mask`` have one entry per
 step, ``response_ids`` is empty, and ``extensions["diffusers"]`` holds the trajectory
 (``latents`` ``[T+1, C, H, W]``, ``sigmas`` ``[T+1]``, ``embeds`` ``[L, D]``, ``pooled`` ``[D]``,
-``eta``, ``guidance``) and the decoded ``image`` ``[3, H, W]`` in [0, 1] for rewards.
+``eta``, ``guidance``) and the decoded ``image`` ``[3, H, W]`` in [0, 1] for rewards. Evaluation
+samples (temperature 0) keep only the final latents (``latents`` ``[1, C, H, W]``).
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ class DiffusionRollout:
         else:  # fixed per task, so evaluations at different steps compare the same noise
             seeds = [int(t.metadata.get("noise_seed", zlib.crc32(str(t.id).encode()))) + j for t, j in rows]
         ids = engine.encode([str(t.prompt) for t, _ in rows])
-        out = engine.sample(ids, seeds, stochastic, step_seed=rng.randrange(2**31))
-        T = out["latents"].shape[1] - 1
+        # evaluations are never trained on: their samples keep the final latents, not the trajectory
+        out = engine.sample(ids, seeds, stochastic, step_seed=rng.randrange(2**31), trajectory=random_noise)
+        T = out["sigmas"].shape[1] - 1
         samples = []
         for i, (task, _) in enumerate(rows):
             ext = {k: out[k][i] for k in _PER_ROW if k in out}

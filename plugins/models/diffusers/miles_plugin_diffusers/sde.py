@@ -24,20 +24,24 @@ def sigmas(num_steps: int, shift: float) -> torch.Tensor:
     return sched.sigmas.to(torch.float32).clone()
 
 
-def velocity(model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor],
-             guidance: float) -> torch.Tensor:
+def velocity(model: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor | None, cond: dict[str, torch.Tensor],
+             guidance: float, timestep: torch.Tensor | None = None) -> torch.Tensor:
     """The model's velocity at ``x`` ``[B, C, H, W]`` and noise level ``sigma`` ``[B]``; with
-    ``guidance > 1``, classifier-free guidance against the ``neg_*`` (empty prompt) conditioning."""
+    ``guidance > 1``, classifier-free guidance against the ``neg_*`` (empty prompt) conditioning.
+    ``timestep`` (``sigma * 1000``, the transformer's scale) may be given instead of ``sigma``:
+    a sampler computes it once for all steps."""
+    if timestep is None:
+        timestep = sigma * 1000
     if guidance > 1.0:
         xx = torch.cat([x, x])
         emb = torch.cat([cond["neg_embeds"], cond["embeds"]])
         pooled = torch.cat([cond["neg_pooled"], cond["pooled"]])
         out = model(hidden_states=xx, encoder_hidden_states=emb, pooled_projections=pooled,
-                    timestep=torch.cat([sigma, sigma]) * 1000, return_dict=False)[0]
+                    timestep=torch.cat([timestep, timestep]), return_dict=False)[0]
         v_neg, v_pos = out.chunk(2)
         return v_neg + guidance * (v_pos - v_neg)
     return model(hidden_states=x, encoder_hidden_states=cond["embeds"], pooled_projections=cond["pooled"],
-                 timestep=sigma * 1000, return_dict=False)[0]
+                 timestep=timestep, return_dict=False)[0]
 
 
 def _bcast(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +76,7 @@ def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: 
     return x_next, gaussian_logprob(x_next, mean, std)
 
 
-def ode_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
-    """One deterministic Euler step of the probability-flow ODE."""
-    return x + v * _bcast(sigma_next - sigma)
+def ode_step(x: torch.Tensor, v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """One deterministic Euler step of the probability-flow ODE: ``dt = sigma_next - sigma``, a
+    scalar or one per row (``[B, 1, 1, 1]``)."""
+    return x + v * dt

@@ -167,3 +167,32 @@ def test_miles_reward_hooks_score_image_samples(parts):
     groups = service.run(env.tasks("train"), 2, SamplingParams(seed=3))
     for s in (s for g in groups for s in g.samples):
         assert s.reward == pytest.approx(float(s.extensions["diffusers"]["image"].mean()))
+
+
+def test_sampler_encodes_a_prompt_once_and_evaluations_keep_only_final_latents(parts):
+    """The frozen text encoder's outputs are kept per prompt (``engine.prompt_cache``): a repeated
+    prompt is not encoded again and gets the same states as a fresh engine computes; without the
+    trajectory (evaluations) the images are those of the full sampler."""
+    _, spec, tok, engine = parts
+    calls = []
+    hook = engine.encoder.register_forward_hook(lambda mod, args, kwargs_out: calls.append(1))
+    try:
+        ids = engine.encode(["a red square", "a blue square", "a red square"])
+        full = engine.sample(ids, [5, 6, 7], stochastic=False)
+        n = len(calls)
+        last = engine.sample(ids[::-1], [7, 6, 5], stochastic=False, trajectory=False)
+        assert len(calls) == n  # every prompt was kept: no encoder call
+    finally:
+        hook.remove()
+    assert torch.equal(last["images"], full["images"].flip(0)) and torch.equal(last["embeds"], full["embeds"].flip(0))
+    assert full["latents"].shape[1] == 5 and torch.equal(last["latents"][:, 0], full["latents"][:, -1].flip(0))
+    assert last["sigmas"].shape == (3, 5)
+    fresh = DiffusersEngine(DiffusersEngineConfig(num_steps=4, prompt_cache=0), spec=spec, tokenizer=tok)
+    again = fresh.sample(ids, [5, 6, 7], stochastic=False)
+    assert not fresh._cond  # cache 0: nothing kept
+    # the same states up to the encoder's rounding in another batch (the kept ones came from earlier batches)
+    torch.testing.assert_close(again["embeds"], full["embeds"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(again["images"], full["images"], rtol=0, atol=1e-4)
+    evals = [s for g in _rollout(parts, SamplingParams(temperature=0.0), n=1, split="eval") for s in g]
+    ext = evals[0].extensions["diffusers"]
+    assert ext["latents"].shape == (1, 3, 8, 8) and len(evals[0].loss_mask) == 4
