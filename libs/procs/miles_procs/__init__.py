@@ -1,6 +1,7 @@
 """The processes of a server started in its own session (``start_new_session=True``), and
 stopping all of them: what the server started in turn (daemons, containers' tools) is in that
-session too, so nothing of it outlives the stop."""
+session too, so nothing of it outlives the stop. Also the launcher's loop around such a server,
+and (``checks``) the checks of a launcher's command-line input."""
 from __future__ import annotations
 
 import os
@@ -10,8 +11,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["default_sigint", "kill_until_gone", "serve_until_stopped", "session_pids", "stop_session",
-           "venv_from_script"]
+from miles import MilesError  # public error type: a launcher prints it as one line, no traceback
+
+from .checks import distinct_ports, free_port, work_folder
+
+__all__ = ["ServerExited", "default_sigint", "distinct_ports", "free_port", "kill_until_gone",
+           "serve_until_stopped", "session_pids", "stop_session", "venv_from_script", "work_folder"]
 
 
 def session_pids(sid: int) -> list[int]:
@@ -67,18 +72,41 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve_until_stopped(start: Callable[[], str], running: Callable[[], bool], stop: Callable[[], None]) -> None:
+class ServerExited(MilesError):
+    """The server a launcher watches exited without being asked to; the message is one line naming
+    it, how it ended and its log. Exit code 1: the input was fine, the server failed."""
+
+    exit_code = 1
+
+    def __init__(self, name: str, code: int, log: Path | str | None = None) -> None:
+        self.name, self.code, self.log = name, code, log
+        if code < 0:  # Popen's returncode for a death by signal (the OOM killer's SIGKILL, a segfault)
+            try:
+                how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited on its own with code {code}"
+        super().__init__(f"{name} {how}" + (f"; its log: {log}" if log else ""))
+
+
+def serve_until_stopped(start: Callable[[], str], poll: Callable[[], int | None], stop: Callable[[], None],
+                        name: str, log: Path | str | None = None) -> None:
     """A launcher's foreground loop: ``start()`` (it returns the line to print once the server is
-    up), then wait while ``running()``. Ctrl-C and ``kill`` (SIGTERM, which also reaches a
-    background job, where SIGINT is ignored) end the wait; ``stop()`` then runs with both signals
-    ignored, so a second one cannot cut it short and leave the server's children behind."""
+    up), then wait while ``poll()`` (the server's ``Popen.poll``) is None. Ctrl-C and ``kill``
+    (SIGTERM, which also reaches a background job, where SIGINT is ignored) end the wait and
+    return normally; ``stop()`` then runs with both signals ignored, so a second one cannot cut it
+    short and leave the server's children behind. A server that exits by itself (any code: a
+    server is meant to run until stopped) is stopped all the same, for what it left in its
+    session, then raises ``ServerExited`` naming ``name``, its exit code and ``log``."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    code = None
     try:
         print(start(), flush=True)
-        while running():
+        while (code := poll()) is None:
             time.sleep(1.0)
     except KeyboardInterrupt:
-        pass
+        code = None  # the launcher was asked to stop: whatever the server does next is that stop
     finally:
         sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -87,12 +115,12 @@ def serve_until_stopped(start: Callable[[], str], running: Callable[[], bool], s
         finally:
             signal.signal(signal.SIGINT, sigint)
             signal.signal(signal.SIGTERM, previous)
+    if code is not None:
+        raise ServerExited(name, code, log)
 
 
 def venv_from_script(script: Path, timeout_s: float = 1800) -> Path:
     """The virtualenv a ``make_venv.sh`` builds (once; cached) and names on its last line of stdout."""
-    from miles import MilesError  # public error type: the CLI prints it without a traceback
-
     try:
         p = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

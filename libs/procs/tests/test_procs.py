@@ -1,8 +1,10 @@
+import signal
 import subprocess
 import sys
 import time
 
-from miles_procs import session_pids, stop_session
+import pytest
+from miles_procs import ServerExited, serve_until_stopped, session_pids, stop_session
 
 # a leader that ignores SIGINT and leaves a grandchild behind in its session
 LEADER = """
@@ -43,16 +45,20 @@ except KeyboardInterrupt:
 # a launcher as the connectors' are, started as a shell's background job is: SIGINT ignored
 LAUNCHER = """
 import subprocess, sys
+from miles import MilesError
 from miles_procs import default_sigint, serve_until_stopped, stop_session
 proc = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True,
                         preexec_fn=default_sigint)
-serve_until_stopped(lambda: f"up {proc.pid}", lambda: proc.poll() is None, lambda: stop_session(proc, 20))
+try:
+    serve_until_stopped(lambda: f"up {proc.pid}", proc.poll, lambda: stop_session(proc, 20), "the test server",
+                        sys.argv[3] if len(sys.argv) > 3 else None)
+except MilesError as e:
+    print(f"launcher: error: {e}", file=sys.stderr)
+    sys.exit(e.exit_code)
 """
 
 
 def test_a_launcher_killed_twice_stops_its_server_cleanly(tmp_path):
-    import signal
-
     marker = tmp_path / "stopped"
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, SERVER, str(marker)], stdout=subprocess.PIPE,
                                 text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
@@ -69,3 +75,43 @@ def test_a_launcher_killed_twice_stops_its_server_cleanly(tmp_path):
     # the server got a SIGINT it could act on (not ignored as the launcher's own), and nothing is left
     assert marker.read_text() == "clean"
     assert session_pids(sid) == []
+
+
+# a server that comes up, leaves a child in its session, then exits 3 without being asked to
+CRASHING = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+time.sleep(1.5)
+sys.exit(3)
+"""
+
+
+def test_a_server_that_exits_by_itself_fails_the_launcher_naming_it(tmp_path):
+    log = tmp_path / "server.log"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, CRASHING, "unused", str(log)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = launcher.communicate(timeout=60)
+    sid = int(out.split()[1])
+    # not a clean stop: exit 1 (the input was fine), one line with the server, its code and its log
+    assert launcher.returncode == 1, (launcher.returncode, out, err)
+    assert err.strip().splitlines() == [f"launcher: error: the test server exited on its own with code 3; "
+                                        f"its log: {log}"], err
+    assert session_pids(sid) == []  # what the server left in its session is stopped all the same
+
+
+def test_a_server_killed_by_a_signal_is_named_with_the_signal():
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal, time; time.sleep(0.5); "
+                             "os.kill(os.getpid(), signal.SIGKILL)"], start_new_session=True)
+    stops = []
+
+    def stop():
+        stop_session(proc, 5)
+        stops.append(proc.returncode)
+
+    with pytest.raises(ServerExited) as e:
+        serve_until_stopped(lambda: "up", proc.poll, stop, "srv")
+    assert (e.value.code, e.value.exit_code, stops) == (-9, 1, [-9])  # stopped once, then raised
+    assert str(e.value) == "srv was killed by signal 9 (SIGKILL)"  # no log given: none named
+    # the handlers serve_until_stopped replaced are back
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN

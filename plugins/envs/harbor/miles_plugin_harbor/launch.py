@@ -14,7 +14,6 @@ import argparse
 import io
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 from miles import MilesError
-from miles_procs import default_sigint, serve_until_stopped, stop_session, venv_from_script
+from miles_procs import default_sigint, free_port, serve_until_stopped, stop_session, venv_from_script, work_folder
 
 MAKE_VENV = Path(__file__).resolve().parents[1] / "scripts" / "make_venv.sh"
 AGENT_DIR = Path(__file__).resolve().parent / "agent"  # miles_harbor_agent, imported by Harbor
@@ -180,32 +179,6 @@ class HarborServer:
         self.proc = None
 
 
-def free_port(flag: str, port: int) -> int:
-    """``port`` when nothing listens on it at 127.0.0.1, else a usage error naming ``flag``."""
-    if not 0 < port < 65536:
-        raise MilesError(f"{flag} {port} is not a TCP port; pass one in 1..65535")
-    with socket.socket() as s:
-        # SO_REUSEADDR as servers set it: only a listening socket makes the port busy, not TIME_WAIT
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as e:
-            raise MilesError(f"{flag} {port}: 127.0.0.1:{port} is in use ({e.strerror}); pass a free {flag} "
-                             "or stop what listens there") from None
-    return port
-
-
-def work_folder(path: str) -> Path:
-    """``--work-dir``, created; a usage error when it is a file or cannot be created."""
-    folder = Path(path).resolve()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise MilesError(f"--work-dir {path}: cannot create the folder ({e.strerror}); pass a folder path "
-                         "you can write to") from None
-    return folder
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8390)
@@ -213,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:  # bad input is one line naming the flag (exit 2), as `miles` reports it, not a traceback
         server = HarborServer(free_port("--port", args.port), work_folder(args.work_dir))
-        # Ctrl-C or `kill` (SIGTERM) stops the server and the trial processes it left
+        # Ctrl-C or `kill` (SIGTERM) stops the server and the trial processes it left; the server
+        # exiting by itself is an error (exit 1) naming its exit code and log
         serve_until_stopped(lambda: f"Harbor server at {server.start()} (log {server.log}); Ctrl-C stops it",
-                            lambda: server.proc is not None and server.proc.poll() is None, server.stop)
+                            lambda: server.proc.poll(), server.stop, "harbor serve", server.log)
     except MilesError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -21,7 +21,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from miles import MilesError
-from miles_procs import default_sigint, kill_until_gone, serve_until_stopped, stop_session, venv_from_script
+from miles_procs import (default_sigint, distinct_ports, free_port, kill_until_gone, serve_until_stopped, stop_session,
+                         venv_from_script, work_folder)
 
 from .client import health
 
@@ -173,32 +173,6 @@ def served_model(policy_url: str, api_key: str) -> str:
                          "(--policy-url is its base URL ending in /v1)") from None
 
 
-def free_port(flag: str, port: int) -> int:
-    """``port`` when nothing listens on it at 127.0.0.1, else a usage error naming ``flag``."""
-    if not 0 < port < 65536:
-        raise MilesError(f"{flag} {port} is not a TCP port; pass one in 1..65535")
-    with socket.socket() as s:
-        # SO_REUSEADDR as servers set it: only a listening socket makes the port busy, not TIME_WAIT
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as e:
-            raise MilesError(f"{flag} {port}: 127.0.0.1:{port} is in use ({e.strerror}); pass a free {flag} "
-                             "or stop what listens there") from None
-    return port
-
-
-def work_folder(path: str) -> Path:
-    """``--work-dir``, created; a usage error when it is a file or cannot be created."""
-    folder = Path(path).resolve()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise MilesError(f"--work-dir {path}: cannot create the folder ({e.strerror}); pass a folder path "
-                         "you can write to") from None
-    return folder
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--policy-url", required=True, help="miles serve's OpenAI base URL, e.g. http://127.0.0.1:30000/v1")
@@ -207,15 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", default="runs/nemo_gym_servers", help="logs and per-server venv links")
     ap.add_argument("--api-key", default=os.environ.get("MILES_API_KEY", "none"))
     args = ap.parse_args(argv)
-    if args.agent_port == args.head_port:
-        ap.error(f"--agent-port and --head-port are both {args.agent_port}; give them different ports")
     try:  # bad input is one line naming the flag (exit 2), as `miles` reports it, not a traceback
+        distinct_ports({"--agent-port": args.agent_port, "--head-port": args.head_port})
         servers = GymServers(args.policy_url, free_port("--agent-port", args.agent_port),
                              free_port("--head-port", args.head_port), work_folder(args.work_dir),
                              api_key=args.api_key)
-        # Ctrl-C or `kill` (SIGTERM) stops ng_run, its servers and its Ray
+        # Ctrl-C or `kill` (SIGTERM) stops ng_run, its servers and its Ray; ng_run exiting by
+        # itself is an error (exit 1) naming its exit code and log
         serve_until_stopped(lambda: f"NeMo Gym agent at {servers.start()} (log {servers.log}); Ctrl-C stops it",
-                            lambda: servers.proc is not None and servers.proc.poll() is None, servers.stop)
+                            lambda: servers.proc.poll(), servers.stop, "NeMo Gym's ng_run", servers.log)
     except MilesError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.exit_code
