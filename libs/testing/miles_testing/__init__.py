@@ -5,9 +5,10 @@ in a ``conftest.py``, ``from miles.testing import *  # noqa`` also brings the fi
 """
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import pytest
 
@@ -15,7 +16,8 @@ from miles import Group, Sample, Task, make_plugin_manager
 # re-exported: product code (env connectors) imports it from miles_tinypolicy, without pytest
 from miles_tinypolicy import char_tokenizer
 
-__all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration"]
+__all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration",
+           "listening_port", "run_module", "assert_usage_error"]
 
 
 @pytest.fixture
@@ -64,3 +66,35 @@ def assert_lazy_registration(module: str, kind: str, name: str) -> None:
             f"assert {name!r} in pm.registry({kind!r}), 'not registered'; "
             f"assert 'torch' not in sys.modules, 'torch imported at registration'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@contextlib.contextmanager
+def listening_port() -> Iterator[int]:
+    """A port of 127.0.0.1 something listens on while the block runs (a busy port to refuse)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def run_module(module: str, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m module args...`` as a user runs it, its output captured."""
+    import os
+
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_usage_error(p: subprocess.CompletedProcess, prog: str, *words: str) -> None:
+    """Bad input as the project reports it: exit 2, no traceback, a stderr line ``{prog}: error:
+    ...`` that, with the lines after it (one a config problem), holds every one of ``words``."""
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "Traceback" not in p.stdout + p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith(f"{prog}: error: ")), None)
+    assert first is not None, p.stderr
+    told = "\n".join(lines[first:])
+    assert all(w in told for w in words), (words, told)

@@ -1,19 +1,15 @@
 """Bad input to the connector's commands, run as a user runs them: one line naming the flag and
 the fix, exit 2, no traceback, and nothing slow (the NeMo Gym venv) started first."""
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
+from miles.testing import assert_usage_error, listening_port, run_module as run
 
 
 @pytest.fixture
 def busy_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
+    with listening_port() as port:
+        yield port
 
 
 def closed_port() -> int:
@@ -22,20 +18,8 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def run(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
-
-
-def assert_usage_error(p: subprocess.CompletedProcess, module: str, *words: str) -> None:
-    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
-    assert "Traceback" not in p.stdout + p.stderr, p.stderr
-    line = p.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"python -m {module}: error: "), p.stderr
-    assert all(w in line for w in words), (words, line)
-
-
 LAUNCH = "miles_plugin_nemo_gym.launch"
+PROG = f"python -m {LAUNCH}"
 
 
 def test_a_policy_url_with_nothing_behind_it_fails_before_the_venv_is_built(tmp_path):
@@ -43,7 +27,7 @@ def test_a_policy_url_with_nothing_behind_it_fails_before_the_venv_is_built(tmp_
     env = {"NEMO_GYM_PYTHON": str(tmp_path / "no-python"), "NEMO_GYM_VENV": str(tmp_path / "venv")}
     url = f"http://127.0.0.1:{closed_port()}/v1"
     p = run(LAUNCH, "--policy-url", url, "--work-dir", str(tmp_path / "w"), env=env)
-    assert_usage_error(p, LAUNCH, f"no model listed at {url}/models", "is miles serve running there?",
+    assert_usage_error(p, PROG, f"no model listed at {url}/models", "is miles serve running there?",
                        "--policy-url")
     assert not (tmp_path / "venv").exists()
 
@@ -51,24 +35,24 @@ def test_a_policy_url_with_nothing_behind_it_fails_before_the_venv_is_built(tmp_
 @pytest.mark.parametrize("url", ["127.0.0.1:30000/v1", "http://[::1/v1", "http://127.0.0.1:99999/v1"])
 def test_a_policy_url_that_is_no_url_is_named(tmp_path, url):
     p = run(LAUNCH, "--policy-url", url, "--work-dir", str(tmp_path / "w"))
-    assert_usage_error(p, LAUNCH, f"--policy-url {url!r} is not an http(s) URL", "http://127.0.0.1:30000/v1")
+    assert_usage_error(p, PROG, f"--policy-url {url!r} is not an http(s) URL", "http://127.0.0.1:30000/v1")
 
 
 def test_a_port_in_use_is_named(tmp_path, busy_port):
     url = f"http://127.0.0.1:{closed_port()}/v1"
     p = run(LAUNCH, "--policy-url", url, "--agent-port", str(busy_port), "--work-dir", str(tmp_path / "w"))
-    assert_usage_error(p, LAUNCH, f"--agent-port {busy_port}: 127.0.0.1:{busy_port} is in use",
+    assert_usage_error(p, PROG, f"--agent-port {busy_port}: 127.0.0.1:{busy_port} is in use",
                        "pass a free --agent-port")
     p = run(LAUNCH, "--policy-url", url, "--head-port", "70000", "--work-dir", str(tmp_path / "w"))
-    assert_usage_error(p, LAUNCH, "--head-port 70000 is not a TCP port")
+    assert_usage_error(p, PROG, "--head-port 70000 is not a TCP port")
     p = run(LAUNCH, "--policy-url", url, "--head-port", "9100", "--agent-port", "9100")
-    assert_usage_error(p, LAUNCH, "--agent-port and --head-port are both 9100")
+    assert_usage_error(p, PROG, "--agent-port and --head-port are both 9100")
 
 
 def test_a_work_dir_that_cannot_be_a_folder_is_named(tmp_path):
     (tmp_path / "file").write_text("")
     p = run(LAUNCH, "--policy-url", f"http://127.0.0.1:{closed_port()}/v1", "--work-dir", str(tmp_path / "file/w"))
-    assert_usage_error(p, LAUNCH, f"--work-dir {tmp_path / 'file/w'}: cannot create the folder")
+    assert_usage_error(p, PROG, f"--work-dir {tmp_path / 'file/w'}: cannot create the folder")
 
 
 def test_the_tiny_policy_into_a_file_is_a_usage_error(tmp_path):
@@ -76,5 +60,5 @@ def test_the_tiny_policy_into_a_file_is_a_usage_error(tmp_path):
     module = "miles_plugin_nemo_gym.tiny_policy"
     for folder in (tmp_path / "file", tmp_path / "file/p"):
         p = run(module, str(folder))
-        assert_usage_error(p, module, f"cannot write the policy folder {folder}", "pass FOLDER")
+        assert_usage_error(p, f"python -m {module}", f"cannot write the policy folder {folder}", "pass FOLDER")
     assert (tmp_path / "file").read_text() == ""

@@ -1,20 +1,16 @@
 """Bad input to the bundled game's server, run as a user runs it: one line naming the flag and the
 fix, exit 2, no traceback, before openenv is imported."""
-import socket
-import subprocess
-import sys
 
 import pytest
+from miles.testing import assert_usage_error, listening_port, run_module
 
 SERVER = "miles_plugin_openenv.server"
 
 
 @pytest.fixture(scope="module")
 def busy_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
+    with listening_port() as port:
+        yield port
 
 
 @pytest.mark.parametrize("args, words", [
@@ -26,8 +22,6 @@ def busy_port():
 ])
 def test_bad_input_is_one_line_naming_the_flag(busy_port, args, words):
     args = [a.format(busy=busy_port) for a in args]
-    p = subprocess.run([sys.executable, "-m", SERVER, *args], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
-    assert "Traceback" not in p.stdout + p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert p.stderr.startswith(f"python -m {SERVER}: error: ")
-    assert all(w.format(busy=busy_port) in p.stderr for w in words), p.stderr
+    p = run_module(SERVER, *args, timeout=120)
+    assert_usage_error(p, f"python -m {SERVER}", *(w.format(busy=busy_port) for w in words))
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -2,10 +2,10 @@
 virtualenv), run as a user runs them: one line naming the argument and the fix, exit 2, no traceback."""
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from miles.testing import assert_usage_error, listening_port, run_module
 
 PLUGIN = Path(__file__).resolve().parents[1]
 RECIPE = str(PLUGIN.parents[2] / "recipes/verifiers.yaml")
@@ -14,21 +14,12 @@ POLICY = "miles_plugin_verifiers.policy"
 
 @pytest.fixture(scope="module")
 def busy_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
-def assert_usage_error(p: subprocess.CompletedProcess, prog: str, *words: str) -> None:
-    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
-    assert "Traceback" not in p.stdout + p.stderr, p.stderr
-    assert p.stderr.startswith(f"{prog}: error: "), p.stderr
-    assert all(w in p.stderr for w in words), (words, p.stderr)
+    with listening_port() as port:
+        yield port
 
 
 def policy(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", POLICY, *args], capture_output=True, text=True, timeout=300)
+    return run_module(POLICY, *args)
 
 
 def test_the_policy_writer_names_a_missing_recipe_a_bad_key_and_an_unwritable_folder(tmp_path):
