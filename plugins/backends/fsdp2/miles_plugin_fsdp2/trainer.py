@@ -13,11 +13,10 @@ import copy
 import functools
 import inspect
 import itertools
-import math
 from typing import Any, Iterable, Iterator
 
 import torch
-from miles_fastpath.schedule import lr_lambda
+from miles_fastpath.schedule import lr_lambda, step_or_skip
 from miles_fastpath import cpu_gemm
 from miles_rlmath.logprobs import token_logprobs
 
@@ -285,17 +284,7 @@ class FSDP2Trainer:
 
     def _update(self, totals: dict[str, float], loss_sum: float) -> dict[str, float]:
         """Clip, then the optimizer and LR steps (skipped on a non-finite loss or gradient)."""
-        norm = self._clip()
-        totals.update(loss=loss_sum, grad_norm=norm, lr=self.sched.get_last_lr()[0])
-        # a NaN/inf loss or gradient skips the update (the norm is global: every rank agrees);
-        # the loop counts these and stops after run.max_nonfinite_steps in a row
-        if math.isfinite(loss_sum) and math.isfinite(norm):
-            self.optim.step()
-            self.sched.step()
-        else:
-            totals["nonfinite_skipped"] = 1.0
-        self.optim.zero_grad(set_to_none=True)
-        return totals
+        return step_or_skip(self.optim, self.sched, totals, loss_sum, self._clip())
 
     def _clip(self) -> float:
         """Global gradient norm (before clipping); clips it to ``grad_clip`` if set."""

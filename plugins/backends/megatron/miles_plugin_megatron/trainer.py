@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from miles_fastpath.schedule import lr_lambda
+from miles_fastpath.schedule import lr_lambda, step_or_skip
 from miles_rlmath.logprobs import fused_available, token_logprobs
 from miles import Batch, MilesError
 
@@ -311,15 +311,7 @@ class MegatronTrainer:
         return norm
 
     def _update(self, totals: dict[str, float], loss_sum: float) -> dict[str, float]:
-        norm = self._clip()
-        totals.update(loss=loss_sum, grad_norm=norm, lr=self.sched.get_last_lr()[0])
-        if math.isfinite(loss_sum) and math.isfinite(norm):
-            self.optim.step()
-            self.sched.step()
-        else:
-            totals["nonfinite_skipped"] = 1.0
-        self.optim.zero_grad(set_to_none=True)
-        return totals
+        return step_or_skip(self.optim, self.sched, totals, loss_sum, self._clip())
 
     def _grad_norm(self, named: list[tuple[str, torch.nn.Parameter]]) -> float:
         """Global L2 norm of the gradient: TP-sharded weights summed over the TP group, replicated
