@@ -119,6 +119,21 @@ def serve_until_stopped(start: Callable[[], str], poll: Callable[[], int | None]
         raise ServerExited(name, code, log)
 
 
+def wait_until_ready(proc: subprocess.Popen, ready: Callable[[], bool], stop: Callable[[], None],
+                     name: str, log: Path, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Wait until ``ready()``; a server that exits first, or is not ready within ``timeout_s``, is
+    stopped and raises a ``MilesError`` naming ``name``, why, and the last lines of its ``log``."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        code = proc.poll()
+        if code is not None or time.monotonic() > deadline:
+            tail = log.read_text()[-3000:]
+            stop()
+            why = f"exited with code {code}" if code is not None else f"did not come up in {timeout_s:.0f}s"
+            raise MilesError(f"{name} {why} (log {log}); its last lines:\n{tail}")
+        time.sleep(poll_s)
+
+
 def venv_from_script(script: Path, timeout_s: float = 1800) -> Path:
     """The virtualenv a ``make_venv.sh`` builds (once; cached) and names on its last line of stdout."""
     try:

@@ -4,7 +4,8 @@ import sys
 import time
 
 import pytest
-from miles_procs import ServerExited, serve_until_stopped, session_pids, stop_session
+from miles import MilesError
+from miles_procs import ServerExited, serve_until_stopped, session_pids, stop_session, wait_until_ready
 
 # a leader that ignores SIGINT and leaves a grandchild behind in its session
 LEADER = """
@@ -115,3 +116,13 @@ def test_a_server_killed_by_a_signal_is_named_with_the_signal():
     # the handlers serve_until_stopped replaced are back
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+
+
+def test_a_server_that_exits_during_start_up_is_named_with_its_log(tmp_path):
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([sys.executable, "-c", "print('boom', flush=True); raise SystemExit(4)"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    stopped = []
+    with pytest.raises(MilesError, match=r"my server exited with code 4 \(log .*server.log\); its last lines:\nboom"):
+        wait_until_ready(proc, lambda: False, lambda: stopped.append(1), "my server", log, 30, 0.05)
+    assert stopped == [1]

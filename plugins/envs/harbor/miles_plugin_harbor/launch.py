@@ -18,11 +18,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 from miles import MilesError
-from miles_procs import default_sigint, free_port, serve_until_stopped, stop_session, venv_from_script, work_folder
+from miles_procs import (default_sigint, free_port, serve_until_stopped, stop_session, venv_from_script,
+                         wait_until_ready, work_folder)
 
 MAKE_VENV = Path(__file__).resolve().parents[1] / "scripts" / "make_venv.sh"
 AGENT_DIR = Path(__file__).resolve().parent / "agent"  # miles_harbor_agent, imported by Harbor
@@ -153,15 +153,7 @@ class HarborServer:
         # SIGINT at its default in the server even from a background job: stop() interrupts it first
         self.proc = subprocess.Popen(cmd, cwd=self.work_dir, env=env, stdout=self.log.open("w"),
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
-        deadline = time.monotonic() + timeout_s
-        while not self._ready():
-            code = self.proc.poll()
-            if code is not None or time.monotonic() > deadline:
-                tail = self.log.read_text()[-3000:]
-                self.stop()
-                why = f"exited with code {code}" if code is not None else f"did not come up in {timeout_s:.0f}s"
-                raise MilesError(f"harbor serve {why} (log {self.log}); its last lines:\n{tail}")
-            time.sleep(0.5)
+        wait_until_ready(self.proc, self._ready, self.stop, "harbor serve", self.log, timeout_s)
         return self.url
 
     def _ready(self) -> bool:

@@ -24,13 +24,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from miles import MilesError
 from miles_procs import (default_sigint, distinct_ports, free_port, kill_until_gone, serve_until_stopped, stop_session,
-                         venv_from_script, work_folder)
+                         venv_from_script, wait_until_ready, work_folder)
 
 from .client import health
 
@@ -98,15 +97,7 @@ class GymServers:
             env.pop(key, None)
         self.proc = subprocess.Popen(self.command(venv), cwd=GYM_ROOT, env=env, stdout=self.log.open("w"),
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
-        deadline = time.monotonic() + timeout_s
-        while not self._ready():
-            code = self.proc.poll()
-            if code is not None or time.monotonic() > deadline:
-                tail = self.log.read_text()[-3000:]
-                self.stop()
-                why = f"exited with code {code}" if code is not None else f"did not come up in {timeout_s:.0f}s"
-                raise MilesError(f"NeMo Gym's ng_run {why} (log {self.log}); its last lines:\n{tail}")
-            time.sleep(1.0)
+        wait_until_ready(self.proc, self._ready, self.stop, "NeMo Gym's ng_run", self.log, timeout_s, poll_s=1.0)
         return self.agent_url
 
     def _ready(self) -> bool:
