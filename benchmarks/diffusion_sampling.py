@@ -16,6 +16,13 @@ trains on evaluations); the engine's SDE sampler (training: it also computes eac
 and copies the whole trajectory to the host) is timed too. Before timing, the two ODE samplers'
 images are compared (max abs difference, of the engine's encoding call and of a reusing one).
 
+The engine runs as configured by default: on CUDA with ``engine.cuda_graphs`` (each step's
+transformer call replayed from a CUDA graph captured by the warm-up call; at these shapes
+sampling is bound by the CPU launching kernels). ``miles_ode_eager`` is the same ODE sampler of
+an engine built with ``cuda_graphs: false`` (the transformer's kernels launched one by one, as
+the pipeline launches them); its images are checked equal to the graphs' bit for bit. On the
+CPU the key is ignored and both miles ODE lines time the same code.
+
 GPU (default): 64x64 images, a VAE with 4x downsampling (16x16x4 latents), an 8-layer
 transformer (8 heads of 64), 64 images a call, 20 steps, float32.
 ``--device cpu``: 16x16 images, a VAE with 2x downsampling, a 2-layer transformer (2 heads of
@@ -26,7 +33,8 @@ too (on a loaded CPU host the fairer figure: one thread runs everything there).
 
 Usage: python benchmarks/diffusion_sampling.py [--device cuda|cpu] [--repeats N] [--batch B]
        [--steps T] [--image-size S]
-Ends with one line: ``diffusion_sampling images/s ratio: <x> (miles <img/s> vs diffusers <img/s>)``.
+Ends with one line: ``diffusion_sampling images/s ratio: <x> (miles <img/s> vs diffusers <img/s>;
+miles eager <img/s>, miles SDE <img/s>)``, the ratio of the default (graphs) engine's ODE sampler.
 """
 from __future__ import annotations
 
@@ -52,7 +60,10 @@ def build(device: str, shape: dict):
     tok = spec.build_tokenizer(ShapesEnv(ShapesEnvConfig()).tokenizer())
     engine = DiffusersEngine(DiffusersEngineConfig(num_steps=shape["steps"], device=device), spec=spec,
                              tokenizer=tok)
-    return spec, engine
+    # the same weights (the same seed) without CUDA graphs
+    eager = DiffusersEngine(DiffusersEngineConfig(num_steps=shape["steps"], device=device, cuda_graphs=False),
+                            spec=spec, tokenizer=tok)
+    return spec, engine, eager
 
 
 def pipeline(spec, engine):
@@ -84,7 +95,7 @@ def main() -> None:
             shape[key] = getattr(args, key)
     if args.device == "cpu":
         torch.set_num_threads(1)
-    spec, engine = build(args.device, shape)
+    spec, engine, eager = build(args.device, shape)
     pipe = pipeline(spec, engine)
     B, dev = shape["batch"], engine.device
     prompts = [f"a {c} square" for c in ("red", "green", "blue", "yellow")] * (B // 4 + 1)
@@ -105,12 +116,15 @@ def main() -> None:
                     guidance_scale=1.0, height=S, width=S, latents=noise.clone(), output_type="pt").images
 
     sides = {"miles_ode": lambda: engine.sample(ids, seeds, stochastic=False, trajectory=False)["images"],
+             "miles_ode_eager": lambda: eager.sample(ids, seeds, stochastic=False, trajectory=False)["images"],
              "miles_sde": lambda: engine.sample(ids, seeds, stochastic=True, step_seed=1)["images"],
              "diffusers": run_pipe}
     ours, theirs = sides["miles_ode"](), sides["diffusers"]().float().cpu()  # also the warm-up
     sides["miles_sde"]()
     diff = max(float((ours - theirs).abs().max()), float((sides["miles_ode"]() - theirs).abs().max()))
-    print(f"shape {shape}, device {dev}; ODE images miles vs diffusers: max abs diff {diff:.2e}")
+    graph_diff = float((sides["miles_ode_eager"]() - ours).abs().max())
+    print(f"shape {shape}, device {dev}; ODE images miles vs diffusers: max abs diff {diff:.2e}; "
+          f"miles graphs vs eager: {graph_diff:.2e} (cuda_graphs {engine._graphs is not None})")
     best = {k: float("inf") for k in sides}
     cpu = dict(best)  # this thread's CPU time: on one CPU thread, what the other processes cannot inflate
     for _ in range(args.repeats):
@@ -123,11 +137,11 @@ def main() -> None:
             cpu[name] = min(cpu[name], time.thread_time() - c0)
     rate = {k: B / v for k, v in best.items()}
     for k, v in rate.items():
-        print(f"{k:10s} {v:9.1f} images/s  (best of {args.repeats}: {best[k]:.3f} s for {B} images; "
+        print(f"{k:15s} {v:9.1f} images/s  (best of {args.repeats}: {best[k]:.3f} s for {B} images; "
               f"thread CPU {cpu[k]:.3f} s)")
     print(f"diffusion_sampling images/s ratio: {rate['miles_ode'] / rate['diffusers']:.2f} "
           f"(miles {rate['miles_ode']:.1f} vs diffusers {rate['diffusers']:.1f}; "
-          f"miles SDE {rate['miles_sde']:.1f})")
+          f"miles eager {rate['miles_ode_eager']:.1f}, miles SDE {rate['miles_sde']:.1f})")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,10 @@ class DiffusersEngineConfig(Strict):
     prompt_cache: int = Field(1024, ge=0, description="prompts whose (frozen) text-encoder outputs the "
                               "engine keeps, so a repeated prompt is not encoded again; 0 = encode "
                               "every call")
+    cuda_graphs: bool = Field(True, description="on CUDA, each denoising step's transformer call is "
+                              "captured once per batch shape into a CUDA graph and replayed (the 4 "
+                              "most recent shapes kept): sampling is launch-bound at small shapes; the "
+                              "samples equal the eager ones. Ignored on CPU")
 
 
 class DiffusionRolloutConfig(Strict):

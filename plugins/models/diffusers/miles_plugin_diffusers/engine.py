@@ -3,13 +3,14 @@ records each denoising trajectory: latents, sigmas, per-step log-probs, conditio
 ask for the final latents only)."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from miles import MilesError
 
 from . import sde, text
 from .config import DiffusersEngineConfig
+from .cudagraphs import VelocityGraphs
 
 
 class DiffusersEngine:
@@ -34,6 +35,9 @@ class DiffusersEngine:
         self._timesteps = self._sigmas * 1000  # the transformer's timestep, as sde.velocity scales it
         self._dts = self._sigmas[1:] - self._sigmas[:-1]  # the Euler steps' dt (negative)
         self._cond: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}  # see _conditioning
+        # the steps' transformer calls as CUDA graphs (cudagraphs.py); eager on the CPU
+        graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        self._graphs = VelocityGraphs(self.model, self.device) if graphs else None
         self.weight_version = 0
 
     # -- the kernel's Engine protocol --------------------------------------------------------------
@@ -48,6 +52,7 @@ class DiffusersEngine:
             if name not in params:
                 raise MilesError(f"engine 'diffusers': weight {name!r} is not in the transformer; the "
                                  f"trainer and engine were built from different model settings")
+            # in place, never a new tensor: the captured CUDA graphs read these same tensors
             params[name].copy_(t.to(params[name].device, params[name].dtype))
         self.weight_version = version
 
@@ -82,8 +87,9 @@ class DiffusersEngine:
         if stochastic:
             sig = self._sigmas.expand(B, -1).contiguous()
             gen = torch.Generator(device=dev).manual_seed(int(step_seed))
+        velocity = self._velocity(x, cond, g, timesteps[:, 0])
         for t in range(len(self.sigmas) - 1):
-            v = sde.velocity(self.model, x, None, cond, g, timestep=timesteps[:, t])
+            v = velocity(x, timesteps[:, t])  # with graphs, overwritten by the next step's call
             if stochastic:
                 x, lp = sde.sde_step(x, v, sig[:, t], sig[:, t + 1], sig[:, 1], self.cfg.eta, gen)
                 lps.append(lp)
@@ -97,6 +103,14 @@ class DiffusersEngine:
                    sigmas=self.sigmas.expand(B, -1).clone(),
                    logprobs=torch.stack(lps, 1).cpu() if stochastic else None, eta=self.cfg.eta, guidance=g)
         return out
+
+    def _velocity(self, x: torch.Tensor, cond: dict[str, torch.Tensor], guidance: float,
+                  timestep: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """One sampling call's step function ``(x, timestep) -> velocity``: a CUDA graph's replay
+        (``engine.cuda_graphs`` on CUDA) or the eager transformer call."""
+        if self._graphs is not None:
+            return self._graphs.bind(x, cond, guidance, timestep)
+        return lambda x, timestep: sde.velocity(self.model, x, None, cond, guidance, timestep=timestep)
 
     def _conditioning(self, prompt_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
         """Text-encoder states of each row: ``embeds`` ``[B, L, D]`` and ``pooled`` ``[B, D]`` on the

@@ -196,3 +196,22 @@ def test_sampler_encodes_a_prompt_once_and_evaluations_keep_only_final_latents(p
     evals = [s for g in _rollout(parts, SamplingParams(temperature=0.0), n=1, split="eval") for s in g]
     ext = evals[0].extensions["diffusers"]
     assert ext["latents"].shape == (1, 3, 8, 8) and len(evals[0].loss_mask) == 4
+
+
+def test_cuda_graphs_key_is_accepted_and_ignored_on_cpu(parts):
+    """``engine.cuda_graphs`` (on by default) captures nothing on the CPU: the engine samples as
+    one built with the key off, bit for bit, ODE and SDE, with and without guidance."""
+    _, spec, tok, _ = parts
+    ids = [[int(i) for i in row] for row in parts[3].encode(["a red square", "a blue square"])]
+    for guidance in (1.0, 2.5):
+        on, off = (DiffusersEngine(DiffusersEngineConfig(num_steps=3, guidance_scale=guidance, cuda_graphs=flag),
+                                   spec=spec, tokenizer=tok) for flag in (True, False))
+        assert on.cfg.cuda_graphs and on._graphs is None and off._graphs is None
+        for stochastic in (False, True):
+            a, b = (e.sample(ids, [3, 4], stochastic, step_seed=9) for e in (on, off))
+            assert torch.equal(a["images"], b["images"]) and torch.equal(a["latents"], b["latents"])
+            assert (a["logprobs"] is None) == (not stochastic)
+            if stochastic:
+                assert torch.equal(a["logprobs"], b["logprobs"])
+    with pytest.raises(ValidationError, match="cuda_graphs"):
+        DiffusersEngineConfig(cuda_graphs="sometimes")
