@@ -2,7 +2,7 @@
 and sequence lengths, with each side's model FLOP utilisation.
 
 Both train a random Qwen2-0.5B-shaped model (bf16 compute, fp32 master weights: fsdp2 through
-FSDP2's mixed precision on one rank, megatron through autocast) on one batch of ``--samples`` rows
+FSDP2's mixed precision on one rank, megatron through a bf16 copy of its model) on one batch of ``--samples`` rows
 of ``--seq`` tokens (``--prompt`` of them prompt), in micro-batches of ``--micro`` rows, with a
 policy-gradient loss over the response tokens. After one warm-up step, ``--steps`` optimizer
 steps are timed (CUDA synchronised); tokens/s counts every token of every row.
@@ -92,7 +92,8 @@ def make(kind: str, spec: Spec, args: argparse.Namespace) -> Any:
         from miles_plugin_megatron.config import MegatronConfig
         from miles_plugin_megatron.trainer import MegatronTrainer
 
-        cfg = MegatronConfig(device=args.device, precision="bf16", micro_batch_size=args.micro, lr=1e-5)
+        cfg = MegatronConfig(device=args.device, precision="bf16", micro_batch_size=args.micro, lr=1e-5,
+                             compile=args.compile)
         return MegatronTrainer(cfg, spec=spec, tokenizer=None, total_steps=10)
     from miles_plugin_fsdp2.config import FSDP2Config
     from miles_plugin_fsdp2.trainer import FSDP2Trainer
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=["qwen2-0.5b", "tiny"], default="qwen2-0.5b")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--only", choices=["megatron", "fsdp2"], default=None)
-    ap.add_argument("--compile", action="store_true", help="fsdp2 with trainer.compile (compiled decoder layers)")
+    ap.add_argument("--compile", action="store_true", help="both with trainer.compile (compiled decoder layers)")
     args = ap.parse_args(argv)
     shape = QWEN2_05B if args.shape == "qwen2-0.5b" else TINY
     spec, batch = Spec(shape, args.seq), make_batch(args.samples, args.seq, args.prompt, shape["vocab_size"])

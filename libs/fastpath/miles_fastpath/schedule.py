@@ -35,3 +35,42 @@ def step_or_skip(optim: Any, sched: Any, totals: dict[str, float], loss_sum: flo
         totals["nonfinite_skipped"] = 1.0
     optim.zero_grad(set_to_none=True)
     return totals
+
+
+class Tally:
+    """A step's loss and metrics summed over its micro-batches on the device, read back once at
+    the end: a ``float(loss)`` per micro-batch would make the host wait for the GPU each time and
+    leave the GPU idle while the next micro-batch's kernels are launched."""
+
+    def __init__(self) -> None:
+        self.loss: list[Any] = []
+        self.metrics: dict[str, list[Any]] = {}
+        self.weights: dict[str, list[float]] = {}
+
+    def add(self, loss: Any, metrics: dict[str, Any], weight: float = 1.0) -> None:
+        """``loss`` of one micro-batch (a tensor or a number); ``metrics`` scaled by ``weight``,
+        its share of the step's rows."""
+        self.loss.append(loss.detach() if hasattr(loss, "detach") else loss)
+        for k, v in metrics.items():
+            self.metrics.setdefault(k, []).append(v.detach() if hasattr(v, "detach") else v)
+            self.weights.setdefault(k, []).append(weight)
+
+    def result(self) -> tuple[dict[str, float], float]:
+        """``(metric sums, loss sum)`` as floats: one copy to the host for all of them."""
+        import torch
+
+        keys = list(self.metrics)
+        parts = [self.loss, *(self.metrics[k] for k in keys)]
+        flat = [x for p in parts for x in p]
+        if not flat:
+            return {}, 0.0
+        dev = next((x.device for x in flat if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        vals = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(())
+                            for x in flat]).tolist()
+        loss, i = sum(vals[:len(self.loss)], 0.0), len(self.loss)
+        totals = {}
+        for k in keys:  # weighted on the host in float64, as the numbers were before
+            n = len(self.metrics[k])
+            totals[k] = sum((v * w for v, w in zip(vals[i:i + n], self.weights[k])), 0.0)
+            i += n
+        return totals, loss

@@ -16,7 +16,7 @@ import itertools
 from typing import Any, Iterable, Iterator
 
 import torch
-from miles_fastpath.schedule import lr_lambda, step_or_skip
+from miles_fastpath.schedule import Tally, lr_lambda, step_or_skip
 from miles_fastpath import cpu_gemm
 from miles_rlmath.logprobs import token_logprobs
 
@@ -256,10 +256,9 @@ class FSDP2Trainer:
         return dist_.gather_rows(local, counts).cpu()
 
     def train_step(self, batch: Batch, loss_fn) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        loss_sum = 0.0
-        for mb, real, shared in self._plan(batch)[0]:
-            mb = self._to(mb)
+        tally = Tally()
+        # the whole batch to the device in one go: a copy per micro-batch would wait for the GPU
+        for mb, real, shared in self._plan(self._to(batch))[0]:
             if self.workers is not None:  # world size 1 on CPU: the cores split the rows
                 fn = lambda b: response_logprobs(self.model, b, gemm=self.gemm)  # noqa: E731
                 loss, metrics = workers.train(fn, self.model, mb, _runs(mb), self.workers, loss_fn)
@@ -270,10 +269,8 @@ class FSDP2Trainer:
                     continue
                 loss, metrics = loss_fn(mb, lp)
                 loss.backward()
-            loss_sum += float(loss.detach())
-            w = len(mb) / len(batch)  # row weight in the global batch: ranks' sums add up
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v) * w
+            tally.add(loss, metrics, len(mb) / len(batch))  # row weight: the ranks' sums add up
+        totals, loss_sum = tally.result()
         if self.world_size > 1:
             # the key has a space so no loss_fn metric can collide with it
             totals = dist_.sum_metrics({**totals, " loss": loss_sum})

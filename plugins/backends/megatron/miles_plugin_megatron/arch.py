@@ -75,8 +75,10 @@ def arch_of(hf: Any) -> Arch:
 
 
 def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp: int = 1,
-                       params_dtype: torch.dtype = torch.float32) -> Any:
-    """A megatron-core ``TransformerConfig`` that computes what the Hugging Face model computes."""
+                       params_dtype: torch.dtype = torch.float32, fused: bool = False) -> Any:
+    """A megatron-core ``TransformerConfig`` that computes what the Hugging Face model computes.
+    ``fused``: megatron-core's fused SwiGLU (one compiled kernel forward and backward instead of
+    four elementwise passes over the FFN activations; torch.compile, so CUDA only here)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw: dict[str, Any] = {}
@@ -93,10 +95,11 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
         normalization="RMSNorm", layernorm_epsilon=arch.eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, bias_activation_fusion=fused, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         use_cpu_initialization=True, perform_initialization=False, **kw)
 

@@ -130,6 +130,7 @@ def load(trainer: Any, path: str) -> None:
             if optim is not None:
                 _restore(optim, model, loaded[prefix + "optim"], prefix + "optim.",
                          common["critic_step" if prefix == "critic." else "step"])
+    trainer.weights_changed()
     trainer.sched.load_state_dict(common["sched"])
     torch.set_rng_state(common["rng"])
     if "cuda_rng" in common and trainer.device.type == "cuda":

@@ -31,9 +31,15 @@ class MegatronConfig(BaseModel):
     micro_batch_size: int | None = Field(None, gt=0, description="rows per forward/backward on each "
                                          "data-parallel rank (gradient accumulation); null = a rank's "
                                          "whole share at once")
-    precision: Literal["bf16", "fp32"] = Field("bf16", description="bf16: bf16 compute (autocast) "
-                                               "over fp32 master weights and optimizer state; "
-                                               "fp32: full precision")
+    precision: Literal["bf16", "fp32"] = Field("bf16", description="bf16: bf16 compute over fp32 "
+                                               "master weights, gradient sums and optimizer state "
+                                               "(on CUDA a bf16 copy of the model runs forward and "
+                                               "backward; with pipeline stages, autocast); fp32: "
+                                               "full precision")
+    compile: bool = Field(False, description="on CUDA, torch.compile each decoder layer of the "
+                          "model that runs forward and backward: its norms, rotary embedding and "
+                          "residual adds become fused kernels (the first steps take longer while "
+                          "they compile)")
     lr: float = Field(1e-4, gt=0, description="AdamW peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")

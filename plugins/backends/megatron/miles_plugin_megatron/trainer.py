@@ -1,6 +1,6 @@
 """The megatron trainer: a megatron-core ``GPTModel`` (tensor / pipeline / expert parallel, local
-layer spec) built from the model spec's Hugging Face model, AdamW over fp32 master weights, bf16
-autocast.
+layer spec) built from the model spec's Hugging Face model, AdamW over fp32 master weights; bf16
+compute runs a bf16 copy of the model (``compute.py``; bf16 autocast with pipeline stages).
 
 SPMD like the fsdp2 trainer: every rank builds it with the same config and is called with the same
 global batches. Data-parallel ranks take row slices of a batch; the ranks of one tensor-parallel
@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from miles_fastpath.schedule import lr_lambda, step_or_skip
+from miles_fastpath.schedule import Tally, lr_lambda, step_or_skip
 from miles_rlmath.logprobs import fused_available, token_logprobs
 from miles import Batch, MilesError
 
 from . import arch as arch_
+from . import compute as compute_
 from . import convert
 from . import parallel as par
 from . import pipeline
@@ -80,22 +81,33 @@ class MegatronTrainer:
         self.replay = replay_.table_for(spec, hf, self.arch)
         self.edit = _edits(getattr(spec, "megatron_layer_spec", None),  # optional model-spec hook
                            replay_.spec_edit(self.replay) if self.replay is not None else None)
-        self.model = self._build()
+        self.model, self.compute = self._build(), None
         self._load_full(convert.hf_to_full(hf_state, self.arch, self.tp))
         del hf, hf_state
         self.model.train()
+        dtype = compute_dtype(cfg, self.device, self.pp)
+        if dtype is not None:
+            self.compute = compute_.ComputeCopy(self.model, lambda: self._build(dtype=dtype))
+        if cfg.compile and self.device.type == "cuda":
+            from megatron.core.transformer.transformer_layer import TransformerLayer
+
+            for m in self.policy_module().modules():
+                if isinstance(m, TransformerLayer):
+                    m.compile(dynamic=True)  # rows and lengths change every step: no recompiles
         self.ref: torch.nn.Module | None = None
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg, total_steps))
 
-    def _build(self, head: bool = True, tied: bool | None = None) -> torch.nn.Module:
+    def _build(self, head: bool = True, tied: bool | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         """This rank's part of a GPTModel: its pipeline stage, or with virtual stages its chunks
         (``pipeline.Chunks``). ``head=False``: no final norm and output layer (the critic's)."""
         from megatron.core import parallel_state as ps
 
         with torch.random.fork_rng(devices=[]):  # building must not shift the run's random stream
-            cfg = arch_.transformer_config(self.arch, tp=self.tp, pp=self.pp, ep=self.ep, vp=self.vp)
+            cfg = arch_.transformer_config(self.arch, tp=self.tp, pp=self.pp, ep=self.ep, vp=self.vp,
+                                           params_dtype=dtype, fused=self.device.type == "cuda")
             # gloo (CPU) has no batched send/recv between pipeline stages
             cfg.batch_p2p_comm = self.device.type == "cuda"
             if self.vp == 1:
@@ -118,6 +130,18 @@ class MegatronTrainer:
             raise MilesError(f"trainer megatron: weights do not match the model (missing "
                              f"{sorted(own - set(mine))[:3]}, unexpected {sorted(set(mine) - own)[:3]})")
         model.load_state_dict(mine, strict=False)
+        if model is self.model:
+            self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """The fp32 policy weights changed outside an optimizer step (a load): the bf16 copy
+        follows before its next forward."""
+        if self.compute is not None:
+            self.compute.stale()
+
+    def policy_module(self) -> torch.nn.Module:
+        """The model that runs the policy's forward and backward: the bf16 copy, if any."""
+        return self.compute.model() if self.compute is not None else self.model
 
     # -- collectives the kernel loop uses ---------------------------------------------------------
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -132,8 +156,10 @@ class MegatronTrainer:
             dist.barrier(group=par.object_group())
 
     # -- forward -----------------------------------------------------------------------------------
-    def _autocast(self) -> Any:
-        if self.cfg.precision == "bf16" and self.device.type == "cuda":
+    def _autocast(self, model: torch.nn.Module) -> Any:
+        """bf16 autocast for a model with fp32 weights (a bf16 model needs none)."""
+        fp32 = next(model.parameters()).dtype == torch.float32
+        if self.cfg.precision == "bf16" and self.device.type == "cuda" and fp32:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -150,7 +176,7 @@ class MegatronTrainer:
         ``[S, B, H]`` in fp32 (the dtype stages send; the critic's backbone, before its norm)."""
         ids, _ = right_aligned(batch)
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        with self._replaying(batch, ids.shape[1]), self._autocast():
+        with self._replaying(batch, ids.shape[1]), self._autocast(model):
             out = model(ids, pos, None)
         return out if model.post_process else out.float()
 
@@ -208,12 +234,13 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, which: str = "policy") -> torch.Tensor:
-        model = self.ref if which == "ref" else self.model
+        model = self.ref if which == "ref" else self.policy_module()
         if model is None:
             raise RuntimeError("reference log-probs requested before snapshot_reference()")
         model.eval()
         out = self._rows(model, batch, self._forward, self._from_logits)
-        self.model.train()
+        if model is not self.ref:
+            model.train()
         return out
 
     def _rows(self, model: torch.nn.Module, batch: Batch, forward: Any, score: Any) -> torch.Tensor:
@@ -253,7 +280,8 @@ class MegatronTrainer:
             if len(x) > len(mb):  # top-up rows: in the graph (their collectives), not in the loss
                 x = x[:len(mb)] + 0 * x[len(mb):].sum()
             loss, metrics = loss_fn(mb, x)
-            return loss, (float(loss.detach()), {k: float(v) * len(mb) / len(batch) for k, v in metrics.items()})
+            kept = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+            return loss, (loss.detach(), kept, len(mb) / len(batch))  # read back once, by the Tally below
 
         plan = self._micro(batch)[0]
         if self.pp > 1:
@@ -265,15 +293,14 @@ class MegatronTrainer:
                 loss.backward()
                 if out is not None:
                     done.append(out)
-        totals: dict[str, float] = {}
-        for _, metrics in done:
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v
-        result = totals, sum((x[0] for x in done), 0.0)
+        tally = Tally()
+        for loss, metrics, weight in done:
+            tally.add(loss, metrics, weight)
+        result = tally.result()
         return pipeline.from_last_stage(result) if self.pp > 1 else result
 
     def train_step(self, batch: Batch, loss_fn: Any) -> dict[str, float]:
-        totals, loss_sum = self._loss(self.model, batch, self._forward, self._from_logits, loss_fn)
+        totals, loss_sum = self._loss(self.policy_module(), batch, self._forward, self._from_logits, loss_fn)
         if self.pp > 1 and self.arch.tied:
             pipeline.sum_tied_grads(self.model)
         if self.dp > 1:  # each rank's loss is its share of the global mean: the sum is the whole
@@ -311,7 +338,9 @@ class MegatronTrainer:
         return norm
 
     def _update(self, totals: dict[str, float], loss_sum: float) -> dict[str, float]:
-        return step_or_skip(self.optim, self.sched, totals, loss_sum, self._clip())
+        out = step_or_skip(self.optim, self.sched, totals, loss_sum, self._clip())
+        self.weights_changed()
+        return out
 
     def _grad_norm(self, named: list[tuple[str, torch.nn.Parameter]]) -> float:
         """Global L2 norm of the gradient: TP-sharded weights summed over the TP group, replicated
@@ -340,7 +369,8 @@ class MegatronTrainer:
 
     # -- weights -----------------------------------------------------------------------------------
     def snapshot_reference(self) -> None:
-        ref = self._build()
+        # in the policy's compute precision, so both score a batch alike before the first step
+        ref = self._build(dtype=self.compute.copy_dtype if self.compute is not None else torch.float32)
         ref.load_state_dict(self.model.state_dict())
         self.ref = ref.eval().requires_grad_(False)
 
@@ -405,6 +435,14 @@ class MegatronTrainer:
         from . import checkpoint
 
         checkpoint.load(self, path)
+
+
+def compute_dtype(cfg: MegatronConfig, device: torch.device, pp: int) -> torch.dtype | None:
+    """The dtype of the policy's compute copy (None: the fp32 policy runs itself): bf16 on
+    CUDA, except with pipeline stages, which send fp32 activations and keep autocast."""
+    if cfg.precision == "bf16" and device.type == "cuda" and pp == 1:
+        return torch.bfloat16
+    return None
 
 
 def _edits(*edits: Any) -> Any:

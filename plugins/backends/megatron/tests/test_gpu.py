@@ -149,7 +149,7 @@ def test_routing_replay_uses_the_recorded_experts_in_bf16():
                          total_steps=10)
     b = batch(rows=8)
     record(b, skip=(1,))
-    hooks = MegatronRouting(tr.model, len(b))
+    hooks = MegatronRouting(tr.policy_module(), len(b))  # the module that runs
     lp = tr.logprobs(b)
     hooks.close()
     E = MOE["num_experts"]
