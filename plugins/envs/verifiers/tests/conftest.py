@@ -15,10 +15,17 @@ PLUGIN = Path(__file__).resolve().parents[1]
 ROOT = PLUGIN.parents[2]
 
 
+GIVEN: set[int] = set()  # ports handed out: two servers started together never get the same one
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in GIVEN:
+            GIVEN.add(port)
+            return port
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +58,36 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
-def worker_url(vf_python, tmp_path_factory):
+def policy_started(tmp_path_factory):
+    """``miles serve`` over the recipe's model (written by the plugin's policy helper), started but
+    not yet waited for: ``(url, wait)``, where ``wait()`` blocks until it listens."""
+    from miles_plugin_verifiers.policy import write_policy_folder
+
+    folder = write_policy_folder(str(ROOT / "recipes/verifiers.yaml"), str(tmp_path_factory.mktemp("vf-policy") / "m"))
+    log = tmp_path_factory.mktemp("vf-serve") / "serve.log"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", str(port)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=log.open("w"), text=True)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+
+    def wait() -> None:
+        reader.join(180)
+        assert line and f"listening on {url}" in line[0], log.read_text()[-3000:]
+
+    try:
+        yield url, wait
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="session")
+def worker_url(policy_started, vf_python, tmp_path_factory):
+    """The verifiers worker. The tests that use it use the policy server too, so ``policy_started``
+    starts that one first: it loads while the worker's virtualenv is ready-checked and the worker loads."""
     port = free_port()
     log = tmp_path_factory.mktemp("vf-worker") / "worker.log"
     proc = subprocess.Popen([vf_python, str(PLUGIN / "worker/server.py"), "--port", str(port), "--max-tasks", "256"],
@@ -65,21 +101,7 @@ def worker_url(vf_python, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def policy_url(tmp_path_factory):
-    """``miles serve`` over the recipe's model, written by the plugin's policy helper."""
-    from miles_plugin_verifiers.policy import write_policy_folder
-
-    folder = write_policy_folder(str(ROOT / "recipes/verifiers.yaml"), str(tmp_path_factory.mktemp("vf-policy") / "m"))
-    log = tmp_path_factory.mktemp("vf-serve") / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", "0"], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=log.open("w"), text=True)
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(180)
-    try:
-        assert line and "listening on http://" in line[0], log.read_text()[-3000:]
-        yield line[0].strip().rsplit(" ", 1)[1]
-    finally:
-        stop(proc)
+def policy_url(policy_started):
+    url, wait = policy_started
+    wait()
+    return url
