@@ -15,10 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[4]
 
 
+GIVEN: set[int] = set()  # ports handed out: two servers started together never get the same one
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in GIVEN:
+            GIVEN.add(port)
+            return port
 
 
 def _container_runs(server) -> str:
@@ -59,24 +66,34 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    """``miles serve`` of a tiny random policy: ``{"dir": folder, "url": base URL, "proc": process}``."""
+def policy_started(tmp_path_factory):
+    """``miles serve`` of a tiny random policy, started but not yet waited for; a module that needs
+    it and ``server`` names it first (``usefixtures``) so both servers load at once."""
     from miles_plugin_harbor import tiny_policy
 
     base = tmp_path_factory.mktemp("policy")
     folder = tiny_policy.write(base / "policy")
     log = base / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", "0"], cwd=ROOT,
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", str(port)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
     reader.start()
-    reader.join(180)
     try:
-        if not (line and "listening on http://" in line[0]):
-            pytest.fail(f"miles serve did not start: {line}; {log.read_text()[-2000:]}")
-        yield {"dir": folder, "url": line[0].strip().rsplit(" ", 1)[1], "proc": proc}
+        yield {"dir": folder, "url": f"http://127.0.0.1:{port}", "proc": proc, "reader": reader, "line": line,
+               "log": log}
     finally:
         proc.kill()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def policy(policy_started):
+    """``miles serve`` of a tiny random policy, listening: ``{"dir": folder, "url": base URL, "proc": process}``."""
+    p = policy_started
+    p["reader"].join(180)
+    if not (p["line"] and f"listening on {p['url']}" in p["line"][0]):
+        pytest.fail(f"miles serve did not start: {p['line']}; {p['log'].read_text()[-2000:]}")
+    return {k: p[k] for k in ("dir", "url", "proc")}

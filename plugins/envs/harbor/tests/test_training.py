@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("policy_started")]  # loads while harbor serve starts
 
 # a launch-time plugin: sees every sample the run scores (training and evaluation), changes nothing
 DUMP = '''import json, os
