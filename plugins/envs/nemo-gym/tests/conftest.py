@@ -1,9 +1,11 @@
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -26,25 +28,32 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: every socket stays bound until all are picked."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
-def start_miles_serve(folder: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """``miles serve FOLDER`` on a free port; its base URL once it listens."""
+def start_miles_serve(folder: Path, log: Path, port: int) -> tuple[subprocess.Popen, Callable[[], None]]:
+    """``miles serve FOLDER`` on ``port``, started at once; the returned wait blocks until it listens,
+    so the caller can start other servers while this one loads."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", "0"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", str(port)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
     reader.start()
-    reader.join(180)
-    if not (line and "listening on http://" in line[0]):
-        proc.kill()
-        pytest.fail(f"miles serve did not start: {line}; {log.read_text()[-2000:]}")
-    return proc, line[0].strip().rsplit(" ", 1)[1]
+
+    def wait() -> None:
+        reader.join(180)
+        if not (line and f"listening on http://127.0.0.1:{port}" in line[0]):
+            proc.kill()
+            pytest.fail(f"miles serve did not start: {line}; {log.read_text()[-2000:]}")
+
+    return proc, wait
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +69,16 @@ def stack(tmp_path_factory):
     base = tmp_path_factory.mktemp("nemo_gym")
     ensure_venv()  # cold: builds the venv (minutes); warm: returns at once
     folder = tiny_policy.write(base / "policy")
-    serve, url = start_miles_serve(folder, base / "serve.log")
-    resources_port = free_port()
-    gym = GymServers(f"{url}/v1", free_port(), free_port(), base / "gym", model_name=str(folder),
+    port, agent_port, head_port, resources_port = free_ports(4)
+    url = f"http://127.0.0.1:{port}"
+    # ng_run is given the model's name, so it needs no answer from miles serve to start: both load at once
+    serve, serve_listens = start_miles_serve(folder, base / "serve.log", port)
+    gym = GymServers(f"{url}/v1", agent_port, head_port, base / "gym", model_name=str(folder),
                      resources_port=resources_port)
     sid, ray_dir, ray_procs = None, None, []
     try:
         gym.start()
+        serve_listens()
         sid, ray_dir = gym.proc.pid, gym.ray_dir
         ray_procs = [i for i in map(identity, ray_pids(ray_dir)) if i]
         daemons = {name for name in ("gcs_server", "raylet") for pid, _ in ray_procs if name in cmdline(pid)}
