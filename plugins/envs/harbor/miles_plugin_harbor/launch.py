@@ -88,7 +88,10 @@ def ensure_base_image(env: dict[str, str]) -> str:
             seen: set[Path] = set()
             for f in sorted(files):
                 _add(out, f, seen)
-        p = subprocess.run(["podman", "import", str(tar), BASE_IMAGE], capture_output=True, text=True, env=env)
+        # SIGKILL stops a trial's container at once: Harbor's keep-alive `sleep infinity` is PID 1 and
+        # ignores SIGTERM, which would cost podman's 10 s stop timeout per trial
+        p = subprocess.run(["podman", "import", "--change", "STOPSIGNAL=SIGKILL", str(tar), BASE_IMAGE],
+                           capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise MilesError(f"podman import of {BASE_IMAGE} failed: {p.stderr[-800:]}")
     return BASE_IMAGE
