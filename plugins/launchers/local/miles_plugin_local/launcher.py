@@ -3,6 +3,7 @@ supervise them, and stop them all on success, failure or Ctrl-C/SIGTERM."""
 from __future__ import annotations
 
 import copy
+import gc
 import signal
 import socket
 import sys
@@ -40,7 +41,10 @@ class LocalLauncher:
             trainer_yaml = launch_dir / "trainer.yaml"
             trainer_yaml.write_text(yaml.safe_dump(self.trainer_config(config.raw, urls, plugins),
                                                    sort_keys=False))
+            # trainers start while the engines boot (both spend seconds importing and building
+            # models); their engine client waits for the servers, and so does this launcher
             self._start_trainers(sup, trainer_yaml)
+            sup.wait_healthy(urls, self.cfg.startup_timeout_s)
             sup.supervise()
             return 0
         except KeyboardInterrupt:
@@ -53,6 +57,9 @@ class LocalLauncher:
             sup.stop_all()
             for s, h in previous.items():
                 signal.signal(s, h)
+            # `miles train` exits next: Python's final garbage collections would walk every object of
+            # torch and transformers (seconds); frozen objects are skipped, as they stay until exit
+            gc.freeze()
 
     # -- engines -----------------------------------------------------------------------------------
     def _start_engines(self, sup: Supervisor, config: Any, pm: Any, launch_dir: Path) -> list[str]:
@@ -81,7 +88,6 @@ class LocalLauncher:
                     "--host", c.host, *(f"{k}={_flat(v)}" for k, v in settings.items())]
             sup.start(f"engine {i}", "engine", argv, env, log=f"engine-{i}.log")
             urls.append(f"http://{c.host}:{port}")
-        sup.wait_healthy(urls, c.startup_timeout_s)
         return urls
 
     # -- trainers ----------------------------------------------------------------------------------
@@ -89,8 +95,8 @@ class LocalLauncher:
         """The run's config as trainer ranks see it: no launcher, engines replaced by their URLs."""
         out = copy.deepcopy(raw)
         out.pop("launcher", None)
-        if urls:
-            out["engine"] = {"name": "sglang", "urls": urls}
+        if urls:  # ranks start before the engines answer: they wait as long as this launcher does
+            out["engine"] = {"name": "sglang", "urls": urls, "startup_timeout_s": self.cfg.startup_timeout_s}
         if self.cfg.trainer_devices is not None:
             out.setdefault("trainer", {})["device"] = "cuda"
         if plugins:

@@ -1,9 +1,10 @@
-"""Place a run on a Ray cluster: engine actors (``miles serve``) first, then trainer actors
-(``miles train``, torchrun-style env); watch them, and stop them all on success, failure or
-Ctrl-C/SIGTERM, with the Ray instance this run started."""
+"""Place a run on a Ray cluster: engine actors (``miles serve``) and trainer actors (``miles train``,
+torchrun-style env), the trainers starting while the engines boot; watch them, and stop them all on
+success, failure or Ctrl-C/SIGTERM, with the Ray instance this run started."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import secrets
@@ -53,8 +54,11 @@ class RayLauncher:
             self.urls = self._start_engines(ray, pg, config, model_dir, run_dir)
             if self.urls:  # a restarted engine may come back at another address: ranks follow the file
                 self.urls_file = str(launch_dir / "engine_urls.json")
-                trainer_raw["engine"] = {"name": "sglang", "urls": self.urls, "urls_file": self.urls_file}
+                # ranks start while the engines boot: their engine client waits as long as this launcher
+                trainer_raw["engine"] = {"name": "sglang", "urls": self.urls, "urls_file": self.urls_file,
+                                         "startup_timeout_s": self.cfg.startup_timeout_s}
             self._start_trainers(ray, pg, trainer_raw, launch_dir / "trainer.yaml", run_dir)
+            self._await_engines(ray, run_dir)
             self._supervise(ray)
             return 0
         except KeyboardInterrupt:
@@ -67,6 +71,9 @@ class RayLauncher:
             self._stop_all(ray, pg)
             for s, h in previous.items():
                 signal.signal(s, h)
+            # `miles train` exits next: Python's final garbage collections would walk every object of
+            # torch and transformers (seconds); frozen objects are skipped, as they stay until exit
+            gc.freeze()
 
     # -- cluster -----------------------------------------------------------------------------------
     def _connect(self, ray: Any, launch_dir: Path) -> None:
@@ -187,15 +194,19 @@ class RayLauncher:
             self.engines.append(EngineActor.options(**opts).remote(
                 i, str(model_dir), files, serve_args, free_port(), env, os.getcwd(), str(run_dir / "logs"),
                 c.max_engine_restarts, self.api_key))
-        urls = self._call(ray, self.engines, "address", "engine", timeout=c.startup_timeout_s)
-        deadline = time.monotonic() + c.startup_timeout_s
-        while True:
-            self._check_engines(ray)
-            if all(self._call(ray, self.engines, "healthy", "engine", timeout=c.startup_timeout_s)):
-                return urls
+        return self._call(ray, self.engines, "address", "engine", timeout=c.startup_timeout_s)
+
+    def _await_engines(self, ray: Any, run_dir: Path) -> None:
+        """Block until every engine's server answers; fail fast if one dies or a trainer fails."""
+        timeout = self.cfg.startup_timeout_s
+        deadline = time.monotonic() + timeout
+        while self.engines:
+            self._check_all(ray)
+            if all(self._call(ray, self.engines, "healthy", "engine", timeout=timeout)):
+                return
             if time.monotonic() > deadline:
-                raise MilesError(f"engine(s) at {', '.join(urls)} did not become healthy within "
-                                 f"{c.startup_timeout_s:.0f} s (launcher.startup_timeout_s); see "
+                raise MilesError(f"engine(s) at {', '.join(self.urls)} did not become healthy within "
+                                 f"{timeout:.0f} s (launcher.startup_timeout_s); see "
                                  f"{run_dir / 'logs'} on their nodes")
             time.sleep(POLL_S)
 
@@ -233,18 +244,20 @@ class RayLauncher:
     # -- supervision -------------------------------------------------------------------------------
     def _supervise(self, ray: Any) -> None:
         """Return when every trainer rank has exited 0; raise on the first failure."""
-        while True:
-            if self.stop_signal is not None:
-                raise KeyboardInterrupt
-            self._check_engines(ray)
-            states = self._statuses(ray, self.trainers, "trainer")
-            for r, st in enumerate(states):
-                if st["rc"] not in (None, 0):
-                    raise MilesError(f"{st['error']} (actor miles-trainer-{r}); rerun the same command to "
-                                     f"resume from the last checkpoint")
-            if all(st["rc"] == 0 for st in states):
-                return
+        while not all(st["rc"] == 0 for st in self._check_all(ray)):
             time.sleep(POLL_S)
+
+    def _check_all(self, ray: Any) -> list[dict]:
+        """Raise on Ctrl-C/SIGTERM or a failed child; the trainers' statuses otherwise."""
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt
+        self._check_engines(ray)
+        states = self._statuses(ray, self.trainers, "trainer")
+        for r, st in enumerate(states):
+            if st["rc"] not in (None, 0):
+                raise MilesError(f"{st['error']} (actor miles-trainer-{r}); rerun the same command to "
+                                 f"resume from the last checkpoint")
+        return states
 
     def _check_engines(self, ray: Any) -> None:
         for i, st in enumerate(self._statuses(ray, self.engines, "engine")):
