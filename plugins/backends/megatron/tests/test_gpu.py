@@ -1,8 +1,8 @@
 """On a CUDA GPU (``pytest -m gpu``): megatron log-probs vs Hugging Face's on the same weights, a
-tiny Qwen3-MoE training, the PPO critic, rollout routing replay (R3: recorded experts in bf16, and
-recipes/moe_r3.yaml with this trainer), TP=2, PP=2 and virtual stages on two GPUs, and GRPO steps of
-recipes/megatron_gpu.yaml (loss and weights change, engine and trainer log-probs agree,
-``miles export`` loads in transformers, a rerun resumes)."""
+tiny Qwen3-MoE training, the bf16 compute copy and compiled layers, the PPO critic, rollout routing
+replay (R3: recorded experts in bf16, and recipes/moe_r3.yaml with this trainer), TP=2, PP=2 and
+virtual stages on two GPUs, and GRPO steps of recipes/megatron_gpu.yaml (loss and weights change,
+engine and trainer log-probs agree, ``miles export`` loads in transformers, a rerun resumes)."""
 import json
 import os
 import subprocess
@@ -79,6 +79,34 @@ def test_tiny_qwen3_moe_matches_hf_and_trains():
     assert losses[-1] < losses[0]
     changed = [k for k, v in tr.named_weights() if not torch.equal(v, before[k])]
     assert any("experts" in k for k in changed) and any("mlp.gate" in k for k in changed)
+
+
+def test_bf16_compute_copy_and_compiled_layers():
+    """``precision: bf16`` from the start: the bf16 copy of the model runs (log-probs close to the
+    fp32 HF model's, as autocast's were), steps lower the loss and move the fp32 weights;
+    ``compile: true`` computes the same within bf16 rounding."""
+    spec, b = Spec("qwen2"), batch(rows=8)
+    loss_fn = lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {})  # noqa: E731
+    eager, compiled = make(spec, precision="bf16", lr=1e-3), make(spec, precision="bf16", lr=1e-3, compile=True)
+    assert eager.compute is not None and next(eager.policy_module().parameters()).dtype == torch.bfloat16
+    hf = spec.build_model(None).cuda().eval()
+    hf.load_state_dict(dict(eager.named_weights()))
+    m = b.loss_mask.bool()
+    lp = eager.logprobs(b)
+    diff = (lp - hf_lp(hf, b))[m].abs()
+    report("tiny_qwen2_bf16_copy_vs_hf_fp32_mean_abs", diff.mean())
+    assert diff.mean() < 0.05
+    gap = (compiled.logprobs(b) - lp)[m].abs()
+    report("tiny_qwen2_compiled_vs_eager_bf16_max_abs", gap.max())
+    assert gap.max() < 0.1
+    before = {k: v.clone() for k, v in eager.named_weights()}
+    losses = [[tr.train_step(b, loss_fn)["loss"] for _ in range(4)] for tr in (eager, compiled)]
+    report("tiny_qwen2_bf16_copy_loss_first", losses[0][0])
+    report("tiny_qwen2_bf16_copy_loss_last", losses[0][-1])
+    assert losses[0][-1] < losses[0][0] and losses[1][-1] < losses[1][0]
+    assert all(abs(x - y) < 0.05 * max(1.0, abs(x)) for x, y in zip(*losses))
+    assert all(v.dtype == torch.float32 for _, v in eager.named_weights())  # the master weights
+    assert any(not torch.equal(v, before[k]) for k, v in eager.named_weights())
 
 
 def test_critic_values_match_hf_and_learn_returns():
