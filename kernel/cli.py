@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -137,9 +136,6 @@ def main(argv: list[str] | None = None) -> Any:
     except MilesError as e:
         print(f"miles: error: {e}", file=sys.stderr)
         return e.exit_code
-    finally:
-        if argv is None:  # the process exits next; its final collections would walk torch's objects (seconds)
-            gc.freeze()
 
 
 if __name__ == "__main__":

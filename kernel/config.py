@@ -56,7 +56,8 @@ class RunConfig(Strict):
 
 class RolloutConfig(Strict):
     """The kernel's rollout keys. The ``rollout`` section also holds the settings of the selected
-    rollout component (``name``) and of the run mode (``run.mode``), each checked by its schema."""
+    rollout component (``name``) and of the run mode (``run.mode``), each validated by its own
+    schema."""
 
     name: str = Field("single_turn", description="a registered rollout component: single_turn "
                       "(one generation per sample) or a plugin's (e.g. multi_turn)")
