@@ -8,7 +8,9 @@ from pathlib import Path
 
 from miles import MilesError
 
-__all__ = ["distinct_ports", "free_port", "work_folder"]
+__all__ = ["distinct_ports", "free_port", "unused_port", "work_folder"]
+
+_GIVEN: set[int] = set()
 
 
 def free_port(flag: str, port: int) -> int:
@@ -24,6 +26,18 @@ def free_port(flag: str, port: int) -> int:
             raise MilesError(f"{flag} {port}: 127.0.0.1:{port} is in use ({e.strerror}); pass a free {flag} "
                              "or stop what listens there") from None
     return port
+
+
+def unused_port() -> int:
+    """A port nothing listens on at 127.0.0.1, never the same twice in this process: servers started
+    together (before any of them binds) each get their own."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def distinct_ports(ports: dict[str, int]) -> None:

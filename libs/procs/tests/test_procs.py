@@ -126,3 +126,14 @@ def test_a_server_that_exits_during_start_up_is_named_with_its_log(tmp_path):
     with pytest.raises(MilesError, match=r"my server exited with code 4 \(log .*server.log\); its last lines:\nboom"):
         wait_until_ready(proc, lambda: False, lambda: stopped.append(1), "my server", log, 30, 0.05)
     assert stopped == [1]
+
+
+def test_unused_ports_are_free_and_never_repeat():
+    import socket
+
+    from miles_procs import unused_port
+
+    ports = [unused_port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # nothing holds it

@@ -4,28 +4,17 @@ started once per test module (so none outlives its tests in a long test run), st
 and checked to be gone."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from miles_procs import unused_port
 
 ROOT = Path(__file__).resolve().parents[4]
 
 
-GIVEN: set[int] = set()  # ports handed out: two servers started together never get the same one
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in GIVEN:
-            GIVEN.add(port)
-            return port
 
 
 def _container_runs(server) -> str:
@@ -50,7 +39,7 @@ def server(tmp_path_factory):
 
     if not (shutil.which("podman") and shutil.which("runc")):
         pytest.skip("Harbor trials here run in podman: apt-get install podman runc")
-    s = HarborServer(free_port(), tmp_path_factory.mktemp("harbor"))
+    s = HarborServer(unused_port(), tmp_path_factory.mktemp("harbor"))
     probe = _container_runs(s)
     if probe:  # a host whose kernel or sandbox cannot run containers at all (not a failure of ours)
         pytest.skip(f"podman cannot run a container on this host: {probe}")
@@ -74,7 +63,7 @@ def policy_started(tmp_path_factory):
     base = tmp_path_factory.mktemp("policy")
     folder = tiny_policy.write(base / "policy")
     log = base / "serve.log"
-    port = free_port()
+    port = unused_port()
     proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", str(port)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=log.open("w"), text=True)

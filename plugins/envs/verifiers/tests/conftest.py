@@ -1,7 +1,6 @@
 """Real servers for the verifiers connector's tests: verifiers' own virtualenv (built once by
 scripts/make_venv.sh), the verifiers worker in it, and a ``miles serve`` policy."""
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -10,22 +9,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from miles_procs import unused_port
 
 PLUGIN = Path(__file__).resolve().parents[1]
 ROOT = PLUGIN.parents[2]
 
 
-GIVEN: set[int] = set()  # ports handed out: two servers started together never get the same one
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in GIVEN:
-            GIVEN.add(port)
-            return port
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +54,7 @@ def policy_started(tmp_path_factory):
 
     folder = write_policy_folder(str(ROOT / "recipes/verifiers.yaml"), str(tmp_path_factory.mktemp("vf-policy") / "m"))
     log = tmp_path_factory.mktemp("vf-serve") / "serve.log"
-    port = free_port()
+    port = unused_port()
     proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", str(port)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=log.open("w"), text=True)
@@ -88,7 +77,7 @@ def policy_started(tmp_path_factory):
 def worker_url(policy_started, vf_python, tmp_path_factory):
     """The verifiers worker. The tests that use it use the policy server too, so ``policy_started``
     starts that one first: it loads while the worker's virtualenv is ready-checked and the worker loads."""
-    port = free_port()
+    port = unused_port()
     log = tmp_path_factory.mktemp("vf-worker") / "worker.log"
     proc = subprocess.Popen([vf_python, str(PLUGIN / "worker/server.py"), "--port", str(port), "--max-tasks", "256"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
