@@ -120,11 +120,22 @@ class SDPAttention(torch.nn.Module):
                 packed_seq_params=None, **_):
         sq, b, heads, dim = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
-        if k.shape[1] != heads:  # grouped-query attention: each K/V head serves heads/groups queries
+        gqa = k.shape[1] != heads  # grouped-query attention: each K/V head serves heads/groups queries
+        native = gqa and _flash_gqa(q)
+        if gqa and not native:
             k = k.repeat_interleave(heads // k.shape[1], dim=1)
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                               **({"enable_gqa": True} if native else {}))
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+
+def _flash_gqa(q: torch.Tensor) -> bool:
+    """Whether SDPA can take grouped K/V heads as they are: only its flash kernel reads them without
+    copies (half precision on CUDA, head dim <= 256); other backends would fall back to the slow
+    math kernel, so K/V are repeated for them instead."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and torch.backends.cuda.flash_sdp_enabled())
 
 
 def fp32_router() -> type:
