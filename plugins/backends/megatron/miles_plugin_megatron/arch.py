@@ -5,6 +5,7 @@ Hugging Face config of a supported family (Llama, Qwen2, Qwen3, Qwen3-MoE).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -152,25 +153,56 @@ def fp32_router() -> type:
     return FP32Router
 
 
+@functools.cache  # one pair of classes per process: models built apart share them
+def one_rank_linears() -> tuple[type, type]:
+    """megatron-core's column- and row-parallel linears for a tensor-parallel size of 1, with a
+    plain ``F.linear`` forward. Theirs run an autograd function that torch.compile cannot trace
+    (a graph break at every projection, so a compiled layer stays eight small graphs) and copies
+    non-contiguous gradients in backward; with one rank there is nothing to communicate, and the
+    weights, bias handling and checkpoint layout are the parents'."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    class OneRankColumnLinear(ColumnParallelLinear):
+        def forward(self, input_, weight=None, runtime_gather_output=None):
+            weight = self.weight if weight is None else weight
+            bias = None if self.skip_bias_add else self.bias
+            return F.linear(input_, weight, bias), (self.bias if self.skip_bias_add else None)
+
+    class OneRankRowLinear(RowParallelLinear):
+        def forward(self, input_):
+            if self.skip_bias_add:
+                return F.linear(input_, self.weight), self.bias
+            return F.linear(input_, self.weight, self.bias), None
+
+    return OneRankColumnLinear, OneRankRowLinear
+
+
 def _submodules(builder: Any) -> Any:
     """The submodules of a spec entry: a ``ModuleSpec`` (megatron-core 0.16) or a
     ``functools.partial(Module, submodules=...)`` (0.19)."""
-    import functools
-
     if isinstance(builder, functools.partial):
         return builder.keywords.get("submodules")
     return getattr(builder, "submodules", None)
 
 
-def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None) -> Any:
-    """The local (no Transformer Engine) GPT layer spec with SDPA core attention. ``edit``: a model
-    spec's ``megatron_layer_spec(layer_spec)`` hook, which may swap any submodule (e.g. a custom
-    router or attention output gate) before the model is built."""
+def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1) -> Any:
+    """The local (no Transformer Engine) GPT layer spec with SDPA core attention, and with one
+    tensor-parallel rank ``one_rank_linears`` for the attention and dense MLP projections.
+    ``edit``: a model spec's ``megatron_layer_spec(layer_spec)`` hook, which may swap any submodule
+    (e.g. a custom router or attention output gate) before the model is built."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=arch.experts or None, moe_grouped_gemm=False,
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = SDPAttention
+    if tp == 1:
+        column, row = one_rank_linears()
+        attn.linear_qkv, attn.linear_proj = column, row
+        dense = None if arch.moe else _submodules(spec.submodules.mlp)
+        if dense is not None:
+            dense.linear_fc1, dense.linear_fc2 = column, row
     moe = _submodules(spec.submodules.mlp) if arch.moe else None
     if moe is not None and hasattr(moe, "router"):
         moe.router = fp32_router()
@@ -185,9 +217,30 @@ def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True,
     ``vp_stage``: the model chunk of this rank, with interleaved (virtual) pipeline stages."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(config, layer_spec(arch, edit), vocab_size=arch.padded_vocab(tp),
-                    max_sequence_length=arch.max_positions, pre_process=pre_process,
-                    post_process=post_process,
-                    share_embeddings_and_output_weights=arch.tied if tied is None else tied,
-                    position_embedding_type="rope", rotary_base=arch.rope_theta,
-                    **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+    model = GPTModel(config, layer_spec(arch, edit, tp), vocab_size=arch.padded_vocab(tp),
+                     max_sequence_length=arch.max_positions, pre_process=pre_process,
+                     post_process=post_process,
+                     share_embeddings_and_output_weights=arch.tied if tied is None else tied,
+                     position_embedding_type="rope", rotary_base=arch.rope_theta,
+                     **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+    if post_process and not config.sequence_parallel:
+        batch_major_logits(model.output_layer)
+    return model
+
+
+def batch_major_logits(output_layer: torch.nn.Module) -> None:
+    """Have the output layer write its logits batch-major. GPTModel returns
+    ``logits.transpose(0, 1).contiguous()``: from sequence-major logits that is a copy of the whole
+    ``[B, S, V]`` tensor, and its backward copies the gradient back (the largest tensors of a step,
+    ~10 GB each at 32 rows x 1,024 tokens of a 152k vocabulary). Fed ``[B, S, H]`` (a copy of the
+    much smaller hidden states) and returning a transposed view, the layer's product is already in
+    the returned layout and ``contiguous()`` is free. Rows are independent, so the values are
+    unchanged. Not with sequence parallelism, whose input is split along the sequence."""
+    def batch_major(_module: Any, args: tuple) -> tuple:
+        return (args[0].transpose(0, 1).contiguous(), *args[1:])
+
+    def back_to_sequence_major(_module: Any, _args: tuple, out: tuple) -> tuple:
+        return (out[0].transpose(0, 1), *out[1:])
+
+    output_layer.register_forward_pre_hook(batch_major)
+    output_layer.register_forward_hook(back_to_sequence_major)
