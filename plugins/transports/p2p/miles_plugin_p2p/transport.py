@@ -1,9 +1,10 @@
 """Weight sync by point-to-point writes: every engine rank registers destinations for the
 trainer's tensors with a NIXL agent and publishes them (``engine.p2p_open``: agent metadata,
-one ``[address, bytes, device]`` per tensor, a session id); the trainer packs each bucket into a
-registered send buffer and writes it into every engine rank (one NIXL transfer per bucket and
-engine rank, ``workers`` in flight on a thread pool), then commits the version
-(``engine.p2p_commit``: staged tensors are copied in, the weight version is set).
+one ``[address, bytes, device]`` per tensor, a session id); the trainer writes each bucket into
+every engine rank (one NIXL transfer per bucket and engine rank, ``workers`` in flight on a thread
+pool), then commits the version (``engine.p2p_commit``: staged tensors are copied in, the weight
+version is set). Contiguous CPU tensors sent in their own dtype are written from where they lie
+(their memory registered with the agent); others are first packed into registered send buffers.
 
 Which trainer rank writes which bucket to which engine rank is ``plan.plan`` (a multi-rank
 trainer whose ranks all hold the full weights splits the writes; rank 0 alone talks to the
@@ -65,6 +66,8 @@ class P2PTransport:
         self._remotes: dict[str, str] = {}  # engine agent name -> the metadata it was added with
         self._bufs: list = []  # registered send buffers, one per write in flight
         self._reg: Any = None
+        self._src: tuple | None = None  # (key, registration, tensors held) of directly sent tensors
+        self._src_last: tuple | None = None  # the last sync's key of directly sent tensors
         self._pool: ThreadPoolExecutor | None = None
         self._opened: tuple | None = None  # (key, owners, infos): the last sync's engine endpoints
 
@@ -211,9 +214,12 @@ class P2PTransport:
         targets: dict[int, list[int]] = {}
         for b, j in mine:
             targets.setdefault(b, []).append(j)
+        self._ensure()
+        direct = self._sources([t for _, t in items], wire)
         layouts = {b: W.layout([wire[i] for i in range(*runs[b])], [items[i][1].shape for i in range(*runs[b])])
                    for b in targets}
-        self._ensure(max(size for _, size in layouts.values()))
+        if direct is None:
+            self._ensure_buffers(max(size for _, size in layouts.values()))
         names, failed = {}, []
         for j in sorted({j for _, j in mine}):
             try:
@@ -231,8 +237,11 @@ class P2PTransport:
         jobs = []
         with torch.no_grad():
             for b, ranks in targets.items():
-                slot = free.get()
                 s, e = runs[b]
+                if direct is not None:
+                    jobs.append(self._pool.submit(self._xfer, b, items[s][0], direct[s:e], s, ranks, infos, names))
+                    continue
+                slot = free.get()
                 offsets, size = layouts[b]
                 views = W.views(self._bufs[slot], wire[s:e], [items[i][1].shape for i in range(s, e)], offsets)
                 torch._foreach_copy_(views, [items[i][1].detach() for i in range(s, e)])
@@ -243,12 +252,13 @@ class P2PTransport:
                 jobs.append(self._pool.submit(self._xfer, b, items[s][0], local, s, ranks, infos, names, free, slot))
         for job in jobs:
             failed += job.result()
+        self._keep_sources()
         return failed
 
     def _xfer(self, bucket: int, first: str, local: list, start: int, ranks: list[int], infos: list[dict],
-              names: dict[int, str], free: queue.Queue, slot: int) -> list[tuple[int, str]]:
+              names: dict[int, str], free: queue.Queue | None = None, slot: int = 0) -> list[tuple[int, str]]:
         """One bucket into each of ``ranks``, all transfers posted before any wait; the send
-        buffer is free again once every one is done or failed."""
+        buffer (if any: ``free``) is free again once every one is done or failed."""
         agent, failed, handles = self._agent, [], []
         try:
             for j in ranks:
@@ -276,16 +286,56 @@ class P2PTransport:
                     failed.append((j, f"p2p weight sync: {where} failed: transfer state {state} "
                                       f"(sync.timeout_s={self.cfg.timeout_s:g})"))
         finally:
-            free.put(slot)
+            if free is not None:
+                free.put(slot)
         return failed
 
-    def _ensure(self, size: int) -> None:
-        """This process's agent, thread pool and registered send buffers of at least ``size``."""
-        import torch
-
+    def _ensure(self) -> None:
+        """This process's agent and thread pool."""
         if self._agent is None:
             self._agent = make_agent(f"miles-trainer-{os.getpid()}-{secrets.token_hex(4)}", self.cfg.transport)
             self._pool = ThreadPoolExecutor(self.cfg.workers, thread_name_prefix="miles-p2p")
+
+    def _sources(self, tensors: list, wire: list) -> list[tuple[int, int, int]] | None:
+        """Source descriptors ``(address, bytes, 0)`` of the tensors as they lie, their memory
+        registered with the agent, when every one is a contiguous CPU tensor sent in its own dtype
+        (no packing: a copy of the model per sync saved); else None.
+
+        A registration is kept only for tensors seen at the same addresses in two syncs in a row
+        (a trainer's own parameters), holding references so the memory cannot be freed and reused
+        while registered; tensors made afresh for each sync are registered for that sync alone."""
+        if not all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == d for t, d in zip(tensors, wire)):
+            return None
+        key = tuple((t.data_ptr(), W.nbytes(t)) for t in tensors)
+        if self._src is None or self._src[0] != key:
+            self._release_sources()
+            regions: dict[int, int] = {}  # storage address -> bytes: tied weights share one storage
+            for t in tensors:
+                if W.nbytes(t):
+                    st = t.untyped_storage()
+                    regions[st.data_ptr()] = st.nbytes()
+            reg = self._agent.register_memory([(a, n, 0, "") for a, n in regions.items()], "DRAM")
+            self._src = (key, reg, tensors)
+        return [(a, n, 0) for a, n in key]
+
+    def _keep_sources(self) -> None:
+        """After a sync's writes: keep the direct sources' registration for the next sync only if
+        they were the last sync's too."""
+        if self._src is None:
+            return
+        stable, self._src_last = self._src[0] == self._src_last, self._src[0]
+        if not stable:
+            self._release_sources()
+
+    def _release_sources(self) -> None:
+        if self._src is not None:
+            self._agent.deregister_memory(self._src[1])
+            self._src = None
+
+    def _ensure_buffers(self, size: int) -> None:
+        """Registered send buffers of at least ``size`` bytes, one per write in flight."""
+        import torch
+
         if self._bufs and self._bufs[0].numel() >= size:
             return
         if self._reg is not None:
@@ -307,6 +357,8 @@ class P2PTransport:
         return W.to_dtype(self.cfg.dtype) if self.cfg.dtype and t.is_floating_point() else t.dtype
 
     def close(self) -> None:
+        if self._agent is not None:
+            self._release_sources()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None

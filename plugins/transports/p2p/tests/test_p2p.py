@@ -123,6 +123,29 @@ def test_two_process_writes_are_bit_exact_and_versioned(client):
     transport.close()
 
 
+class FreshCopies(Policy):
+    """A trainer whose weights are new tensors at every sync (as a sharded trainer's gathers are)."""
+
+    def named_weights(self):
+        return ((n, t.clone()) for n, t in self.model.state_dict().items())
+
+
+def test_weights_are_written_from_where_they_lie(client):
+    """Contiguous CPU tensors in their own dtype go out without packing: no send buffer exists,
+    the trainer's own parameters stay registered from the second sync on (same addresses twice),
+    while tensors made afresh for one sync are released after it. Every sync is bit-exact."""
+    policy, fresh = Policy(seed=9), FreshCopies(seed=10)
+    transport = P2PTransport(P2PSyncConfig(verify=True, bucket_mb=1, workers=2))
+    kept = []
+    for version, source in enumerate([policy, policy, policy, fresh, fresh], start=21):
+        transport.sync(source, [client], version)
+        kept.append(transport._src is not None)
+        assert client.weight_version == version
+    assert transport._bufs == []  # nothing was packed
+    assert kept == [False, True, True, False, False]
+    transport.close()
+
+
 def test_other_dtype_is_staged_and_converted_at_commit(client):
     policy = Policy(seed=3)
     transport = P2PTransport(P2PSyncConfig(dtype="bfloat16"))  # the engine holds float32
