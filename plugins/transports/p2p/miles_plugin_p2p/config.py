@@ -18,7 +18,8 @@ class P2PSyncConfig(BaseModel):
     bucket_mb: float = Field(64, gt=0, description="max MiB of weights per write (one NIXL transfer "
                                                  "per bucket and engine rank)")
     workers: int = Field(4, ge=1, le=64, description="writes in flight at once (a thread pool; also "
-                                                     "the number of registered send buffers)")
+                                                     "the number of registered send buffers when "
+                                                     "tensors are packed)")
     dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None, description="send floating-point weights as this dtype, e.g. the engines' bfloat16 "
                           "(written straight into their parameters); null = the trainer's own dtypes "
