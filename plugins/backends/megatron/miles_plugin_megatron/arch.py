@@ -132,9 +132,9 @@ class SDPAttention(torch.nn.Module):
 
 
 def _flash_gqa(q: torch.Tensor) -> bool:
-    """Whether SDPA can take grouped K/V heads as they are: only its flash kernel reads them without
-    copies (half precision on CUDA, head dim <= 256); other backends would fall back to the slow
-    math kernel, so K/V are repeated for them instead."""
+    """Whether SDPA can take grouped K/V heads as they are: its fused CUDA kernels (flash, cuDNN)
+    read them without copies in half precision (head dim <= 256); elsewhere ``enable_gqa`` would
+    fall back to the slow math kernel, so K/V are repeated instead."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
             and torch.backends.cuda.flash_sdp_enabled())
 
