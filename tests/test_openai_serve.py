@@ -57,7 +57,9 @@ def train_tool_caller(tok):
     torch.set_num_threads(1)  # a tiny model: more threads only contend
     try:
         model = random_model(tok)
-        opt = torch.optim.Adam(model.parameters(), lr=2e-2)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        # decayed to 0: a constant rate this high can oscillate around the fit instead of settling
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / 400)
         for _ in range(400):
             loss = model(input_ids=ids, labels=labels).loss
             if loss.item() < 0.005:
@@ -65,6 +67,7 @@ def train_tool_caller(tok):
             opt.zero_grad()
             loss.backward()
             opt.step()
+            sched.step()
     finally:
         torch.set_num_threads(threads)
     return model.eval()
