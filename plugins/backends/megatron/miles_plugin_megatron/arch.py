@@ -197,15 +197,14 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = SDPAttention
+    mlp = _submodules(spec.submodules.mlp)
     if tp == 1:
         column, row = one_rank_linears()
         attn.linear_qkv, attn.linear_proj = column, row
-        dense = None if arch.moe else _submodules(spec.submodules.mlp)
-        if dense is not None:
-            dense.linear_fc1, dense.linear_fc2 = column, row
-    moe = _submodules(spec.submodules.mlp) if arch.moe else None
-    if moe is not None and hasattr(moe, "router"):
-        moe.router = fp32_router()
+        if not arch.moe and mlp is not None:
+            mlp.linear_fc1, mlp.linear_fc2 = column, row
+    if arch.moe and mlp is not None and hasattr(mlp, "router"):
+        mlp.router = fp32_router()
     return edit(spec) if edit is not None else spec
 
 

@@ -216,8 +216,9 @@ class P2PTransport:
             targets.setdefault(b, []).append(j)
         self._ensure()
         direct = self._sources([t for _, t in items], wire)
-        layouts = {b: W.layout([wire[i] for i in range(*runs[b])], [items[i][1].shape for i in range(*runs[b])])
-                   for b in targets}
+        layouts = {} if direct is not None else {  # send-buffer offsets, for packing only
+            b: W.layout([wire[i] for i in range(*runs[b])], [items[i][1].shape for i in range(*runs[b])])
+            for b in targets}
         if direct is None:
             self._ensure_buffers(max(size for _, size in layouts.values()))
         names, failed = {}, []
