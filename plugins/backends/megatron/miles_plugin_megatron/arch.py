@@ -105,42 +105,10 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
         use_cpu_initialization=True, perform_initialization=False, **kw)
 
 
-class RopeTable:
-    """RoPE's cos and sin for the positions of one forward, made once per forward by a forward
-    pre-hook of the model (outside the compiled layers) and read by every ``SDPAttention``.
-    megatron-core's attention derives them from the angles inside each layer, and a compiled layer
-    then evaluates sin and cos again for every element of the queries and keys (about half of the
-    rotary embedding's time on an H200). Rows start at position 0 (see the trainer), so the
-    positions of a forward are 0..S-1. Values as megatron-core's ``RotaryEmbedding``: fp32 angles,
-    cast to the activations' dtype where applied."""
-
-    def __init__(self, head_dim: int, theta: float):
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
-
-    def __call__(self, _model: Any, args: tuple, kwargs: dict) -> None:
-        ids = args[0] if args else kwargs["input_ids"]
-        seq, device = ids.shape[1], ids.device
-        if self.cos is not None and self.cos.shape[0] == seq and self.cos.device == device:
-            return
-        angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), self.inv_freq.to(device))
-        angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [S, 1, 1, head_dim]
-        self.cos, self.sin = angles.cos(), angles.sin()
-
-
-def _rotate_half(t: torch.Tensor) -> torch.Tensor:
-    x1, x2 = t.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class SDPAttention(torch.nn.Module):
     """Causal core attention by ``torch.nn.functional.scaled_dot_product_attention`` (flash /
     memory-efficient kernels), in place of the local spec's ``DotProductAttention``, which
-    materialises every ``[S, S]`` score matrix. Rows are right-padded, so a causal mask is exact.
-    With a ``rope`` table (``build_gpt`` sets it) it also applies the rotary embedding."""
-
-    rope: RopeTable | None = None
+    materialises every ``[S, S]`` score matrix. Rows are right-padded, so a causal mask is exact."""
 
     def __init__(self, config: Any, layer_number: int = 0, attn_mask_type: Any = None,
                  attention_type: str = "self", attention_dropout: float | None = None,
@@ -152,10 +120,6 @@ class SDPAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_):
         sq, b, heads, dim = query.shape
-        if self.rope is not None:
-            cos, sin = self.rope.cos[:sq].to(query.dtype), self.rope.sin[:sq].to(query.dtype)
-            query = query * cos + _rotate_half(query) * sin
-            key = key * cos + _rotate_half(key) * sin
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         gqa = k.shape[1] != heads  # grouped-query attention: each K/V head serves heads/groups queries
         native = gqa and _flash_gqa(q)
@@ -252,23 +216,12 @@ def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True,
     ``vp_stage``: the model chunk of this rank, with interleaved (virtual) pipeline stages."""
     from megatron.core.models.gpt import GPTModel
 
-    spec = layer_spec(arch, edit, tp)
-    core = spec.submodules.self_attention.submodules.core_attention
-    # RoPE in SDPAttention from one table a forward, unless a model spec put another core
-    # attention in: then megatron-core applies it, as it does before any core attention
-    own_rope = isinstance(core, type) and issubclass(core, SDPAttention)
-    model = GPTModel(config, spec, vocab_size=arch.padded_vocab(tp),
+    model = GPTModel(config, layer_spec(arch, edit, tp), vocab_size=arch.padded_vocab(tp),
                      max_sequence_length=arch.max_positions, pre_process=pre_process,
                      post_process=post_process,
                      share_embeddings_and_output_weights=arch.tied if tied is None else tied,
-                     position_embedding_type="none" if own_rope else "rope", rotary_base=arch.rope_theta,
+                     position_embedding_type="rope", rotary_base=arch.rope_theta,
                      **({"vp_stage": vp_stage} if vp_stage is not None else {}))
-    if own_rope:
-        rope = RopeTable(arch.head_dim, arch.rope_theta)
-        model.register_forward_pre_hook(rope, with_kwargs=True)
-        for m in model.modules():
-            if isinstance(m, SDPAttention):
-                m.rope = rope
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)
     return model

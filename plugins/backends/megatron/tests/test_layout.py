@@ -1,7 +1,7 @@
 """What the megatron trainer does to megatron-core's modules for speed on one tensor-parallel rank
-keeps its numbers: plain-``F.linear`` projections (one traceable graph per compiled layer), RoPE applied from
-one cos/sin table a forward, and an output layer that writes batch-major logits (no copy of the
-``[B, S, V]`` logits or their gradient)."""
+keeps its numbers: plain-``F.linear`` projections (one traceable graph per compiled layer) and an
+output layer that writes batch-major logits (no copy of the ``[B, S, V]`` logits or their
+gradient)."""
 import torch
 from helpers import Spec, batch
 from miles_plugin_megatron.config import MegatronConfig
@@ -44,8 +44,7 @@ def test_compiled_layer_is_one_graph_but_megatrons_own_context_manager(megatron_
     tr = make()
     layer = tr.model.decoder.layers[0]
     x = torch.randn(6, 2, 64, requires_grad=True)
-    layer.self_attention.core_attention.rope(tr.model, (torch.zeros(2, 6, dtype=torch.long),), {})
-    explained = torch._dynamo.explain(layer)(x, attention_mask=None)
+    explained = torch._dynamo.explain(layer)(x, attention_mask=None, rotary_pos_emb=tr.model.rotary_pos_emb(6))
     assert explained.graph_break_count <= 1, [b.reason for b in explained.break_reasons]
 
 
@@ -63,38 +62,3 @@ def test_logits_come_out_batch_major_without_a_copy(megatron_cpu):
     tr.model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
     want = (hidden["h"] @ tr.model.output_layer.weight.T).transpose(0, 1)  # sequence-major, then B-first
     assert torch.allclose(logits, want, atol=1e-5)
-
-
-def test_rope_from_one_table_a_forward_equals_megatrons_rope(megatron_cpu):
-    """SDPAttention's RoPE gives megatron-core's values: the same weights with a core attention of
-    another class (which makes megatron-core apply RoPE itself) give the same log-probs. The
-    table is made once a forward, for that forward's length."""
-    from miles_plugin_megatron.arch import SDPAttention
-    from miles_plugin_megatron.trainer import MegatronTrainer
-
-    class Foreign(torch.nn.Module):  # not an SDPAttention: RoPE stays megatron-core's
-        def __init__(self, *args, **kwargs):
-            super().__init__()
-            self.inner = SDPAttention(*args, **kwargs)
-
-        def forward(self, *args, **kwargs):
-            return self.inner(*args, **kwargs)
-
-    class ForeignSpec(Spec):
-        def megatron_layer_spec(self, layer_spec):
-            layer_spec.submodules.self_attention.submodules.core_attention = Foreign
-            return layer_spec
-
-    ours = make("qwen3")
-    theirs = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32"), spec=ForeignSpec("qwen3"),
-                             tokenizer=None, total_steps=10)
-    assert not hasattr(ours.model, "rotary_pos_emb") and hasattr(theirs.model, "rotary_pos_emb")
-    assert all(m.rope is None for m in theirs.model.modules() if isinstance(m, SDPAttention))
-    rope = ours.model.decoder.layers[0].self_attention.core_attention.rope
-    assert rope is ours.model.decoder.layers[1].self_attention.core_attention.rope  # one per model
-    b = batch()
-    a, c = ours.logprobs(b), theirs.logprobs(b)
-    assert torch.allclose(a, c, atol=1e-5), (a - c).abs().max()
-    made = rope.cos
-    ours.logprobs(b)
-    assert rope.cos is made and made.shape[0] == b.input_ids.shape[1]  # same length: kept
