@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import miles_runfolder as runfolder
+import miles.runfolder as runfolder
 
 from .errors import MilesError, PluginError
 from .plugins import _CALLING, KINDS, make_plugin_manager, plugin_table

@@ -8,14 +8,114 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-# generic mechanics (reading, overrides, schema checks as key-named problems), importable from here too
-from miles_yamlconfig import apply_overrides, read_yaml, section_mapping, validate_settings  # noqa: F401
-from pydantic import BaseModel, ConfigDict, Field
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigError
 from .plugins import SECTION_KINDS, MilesPluginManager
+
+
+# --- the config as data: one YAML file plus key.sub=value overrides, and raw sections checked
+# against pydantic schemas, every problem a string that starts with its dotted key, collected
+# rather than raised so that a caller reports all of them at once
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """The file's top-level mapping; a missing file, invalid YAML or another top level is a
+    ``ConfigError`` naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"file {path} does not exist"], source=str(path))
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"not valid YAML: {e}"], source=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError(["the top level must be a mapping of sections"], source=str(path))
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``a.b=value`` (value parsed as YAML, so numbers/bools/lists work)."""
+    problems = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            problems.append(f"override {item!r} must look like key.sub=value")
+            continue
+        node, parts = data, key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.setdefault(part, {}), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = _scalar(value)
+    if problems:
+        raise ConfigError(problems, source="command line")
+    return data
+
+
+def _scalar(text: str) -> Any:
+    """YAML parsing of an override value, plus the floats YAML 1.1 leaves as strings (2e-3)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def validate_settings(model: type[BaseModel] | None, prefix: str, raw: dict, problems: list[str]) -> Any:
+    """``raw`` validated by ``model`` (``None``: a component without settings), or ``None`` with
+    the problems, each named ``prefix.<key>``, appended to ``problems``."""
+    if model is None:
+        if raw:
+            problems.append(f"{prefix}: takes no settings; unknown keys: {', '.join(raw)}")
+        return None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        problems.extend(pydantic_problems(prefix, e, model))
+        return None
+
+
+def section_mapping(data: dict[str, Any], section: str, problems: list[str]) -> dict[str, Any]:
+    """A copy of ``data[section]`` (absent: empty); a section that is not a mapping is a problem."""
+    raw = data.get(section) or {}
+    if not isinstance(raw, dict):
+        problems.append(f"{section}: must be a mapping of keys to values (got {raw!r})")
+        return {}
+    return dict(raw)
+
+
+def pydantic_problems(prefix: str, err: ValidationError, model: type[BaseModel] | None) -> list[str]:
+    """One line per error of ``err``: its dotted key, then pydantic's message and the value given;
+    an unknown key lists the keys allowed at that level."""
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in (prefix, *e["loc"]) if x != "")
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(_fields_at(model, e["loc"][:-1])))
+            out.append(f"{loc}: unknown key; allowed keys: {allowed}")
+        else:
+            got = e.get("input")
+            got = "" if isinstance(got, dict) else f" (got {got!r})"
+            out.append(f"{loc}: {e['msg']}{got}")
+    return out
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """The field names of the (nested) schema at ``loc``, through optional/union annotations."""
+    for part in loc:
+        info = getattr(model, "model_fields", {}).get(part)
+        ann = getattr(info, "annotation", None)
+        model = next((a for a in getattr(ann, "__args__", (ann,)) if hasattr(a, "model_fields")), None)
+    return list(getattr(model, "model_fields", {}) or ["name"])
 
 
 class Strict(BaseModel):
@@ -84,8 +184,7 @@ DEFAULT_NAMES = {"model": "hf", "env": "arith", "engine": "torch", "algorithm": 
 TOP_LEVEL = ["run", "rollout", *SECTION_KINDS, "loggers", "plugins"]
 # components that in-repo plugin distributions provide, for "not installed" errors
 PROVIDERS = {("modes", "async"): "miles-plugin-async", ("launchers", "local"): "miles-plugin-local",
-             ("loggers", "console"): "miles-plugin-console", ("modes", "sync"): "miles-plugin-sync",
-             ("rollouts", "single_turn"): "miles-plugin-single-turn", ("algorithms", "sft"): "miles-plugin-sft"}
+             ("loggers", "console"): "miles-plugin-console", ("algorithms", "sft"): "miles-plugin-sft"}
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-import miles_runfolder as runfolder
+import miles.runfolder as runfolder
 
 from .config import Config
 from .errors import EngineRestarted, MilesError

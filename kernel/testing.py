@@ -1,2 +1,101 @@
-"""Pytest helpers for plugin authors, from the ``miles_testing`` library (``pip install miles-testing``)."""
-from miles_testing import *  # noqa: F401,F403
+"""Pytest helpers for plugin authors: a fresh plugin manager, sample/group factories, a tiny model.
+
+In a ``conftest.py``, ``from miles.testing import *  # noqa`` also brings the fixture. Needs the
+``testing`` extra (``pip install miles[testing]``: pytest, transformers, miles-tinypolicy).
+"""
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from typing import Any, Iterator, Sequence
+
+import pytest
+
+from .plugins import make_plugin_manager
+from .types import Group, Sample, Task
+# re-exported: product code (env connectors) imports it from miles_tinypolicy, without pytest
+from miles_tinypolicy import char_tokenizer
+
+__all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration",
+           "listening_port", "run_module", "assert_usage_error"]
+
+
+@pytest.fixture
+def plugin_manager() -> Any:
+    """A fresh plugin manager with every installed plugin (none shared between tests)."""
+    return make_plugin_manager()
+
+
+def make_group(rewards: list[float], prompt_ids: Sequence[int] = (1, 2), response_len: int = 3,
+               task: Task | None = None) -> Group:
+    """A group with one sample per reward, each with ``response_len`` response tokens."""
+    task = task or Task(prompt="p", label="l")
+    samples = [Sample(task=task, prompt_ids=list(prompt_ids), response_ids=list(range(3, 3 + response_len)),
+                      logprobs=[-1.0] * response_len, reward=r) for r in rewards]
+    return Group(task=task, samples=samples)
+
+
+class TinySpec:
+    """A test-double model spec: a random tiny Qwen2 causal LM (seeded) over a given tokenizer."""
+
+    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                 intermediate: int | None = None, vocab: int | None = None) -> None:
+        self.kw = dict(hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads)
+        self.seed, self.vocab = seed, vocab
+
+    def build_tokenizer(self, default: Any = None) -> Any:
+        return default or char_tokenizer()
+
+    def build_model(self, tokenizer: Any) -> Any:
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(self.seed)
+        cfg = Qwen2Config(vocab_size=self.vocab or len(tokenizer), max_position_embeddings=128,
+                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id, **self.kw)
+        return Qwen2ForCausalLM(cfg).eval()
+
+
+def assert_lazy_registration(module: str, kind: str, name: str) -> None:
+    """In a fresh interpreter with only ``module`` as a plugin: it registers component ``name``
+    of ``kind`` (e.g. ``"engines"``) without importing torch (so ``miles plugins`` stays fast)."""
+    code = (f"import sys; from miles import make_plugin_manager; "
+            f"pm = make_plugin_manager(extra=[{module!r}], autoload=False); "
+            f"assert {name!r} in pm.registry({kind!r}), 'not registered'; "
+            f"assert 'torch' not in sys.modules, 'torch imported at registration'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@contextlib.contextmanager
+def listening_port() -> Iterator[int]:
+    """A port of 127.0.0.1 something listens on while the block runs (a busy port to refuse)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def run_module(module: str, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m module args...`` as a user runs it, its output captured."""
+    import os
+
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_usage_error(p: subprocess.CompletedProcess, prog: str, *words: str) -> None:
+    """Bad input as the project reports it: exit 2, no traceback, a stderr line ``{prog}: error:
+    ...`` that, with the lines after it (one a config problem), holds every one of ``words``."""
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "Traceback" not in p.stdout + p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith(f"{prog}: error: ")), None)
+    assert first is not None, p.stderr
+    told = "\n".join(lines[first:])
+    assert all(w in told for w in words), (words, told)

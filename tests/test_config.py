@@ -102,24 +102,23 @@ def test_run_mode_is_one_of_the_registered_modes(pm):
     # async is the miles-plugin-async distribution's: without it, the error says what to install
     bare = make_plugin_manager(extra=["miles_plugin_hf", "miles_plugin_arith", "miles_plugin_grpo",
                                       "miles_plugin_torch_engine", "miles_plugin_fsdp2",
-                                      "miles_plugin_tensor", "miles_plugin_sft", "miles_plugin_sync",
-                                      "miles_plugin_single_turn"], autoload=False)
+                                      "miles_plugin_tensor", "miles_plugin_sft"], autoload=False)
     assert resolve(bare, read_yaml(TINY)).run.mode == "sync"
     assert _problems(bare, apply_overrides(read_yaml(TINY), ["run.mode=async"])) == [
         "run.mode: unknown mode 'async'; registered: sync (pip install miles-plugin-async, which "
         "provides it)"]
 
 
-def test_the_default_mode_rollout_and_warm_start_are_plugins_whose_absence_says_what_to_install():
+def test_the_kernel_ships_the_default_mode_and_rollout_and_a_missing_warm_start_says_what_to_install():
     base = ["miles_plugin_hf", "miles_plugin_arith", "miles_plugin_grpo", "miles_plugin_torch_engine",
             "miles_plugin_fsdp2", "miles_plugin_tensor"]
     problems = _problems(make_plugin_manager(extra=base, autoload=False), read_yaml(TINY))
     text = "\n".join(problems)
-    for dist in ("miles-plugin-sync", "miles-plugin-single-turn", "miles-plugin-sft"):
-        assert f"pip install {dist}, which provides it" in text, text
+    assert "pip install miles-plugin-sft, which provides it" in text, text
+    assert not any(p.startswith(("run.mode", "rollout.name")) for p in problems), text
     assert any(p.startswith("run.warm_start: no installed plugin runs a warm start") for p in problems), text
     # the warm start's trainer settings over the trainer section, checked by the sft plugin's hook
-    full = make_plugin_manager(extra=base + ["miles_plugin_sft", "miles_plugin_sync", "miles_plugin_single_turn"],
+    full = make_plugin_manager(extra=base + ["miles_plugin_sft"],
                                autoload=False)
     assert resolve(full, read_yaml(TINY)).run.warm_start.trainer == {"lr": 3.0e-3}
     bad = _problems(full, apply_overrides(read_yaml(TINY), ["run.warm_start.trainer.lr=-1"]))

@@ -8,7 +8,7 @@ import random
 import time
 from typing import Any
 
-import miles_runfolder as runfolder
+import miles.runfolder as runfolder
 from miles.config import validate_settings
 
 from .demos import demo_samples, demonstrations

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import miles_wire as W
 from miles import MilesError
-from miles_runfolder import fsync_path, write_atomic
+from miles.runfolder import fsync_path, write_atomic
 
 SHARD = "model-00000.safetensors"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-import miles_runfolder as runfolder
+import miles.runfolder as runfolder
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:

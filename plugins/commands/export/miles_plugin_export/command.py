@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import miles_runfolder as runfolder
+import miles.runfolder as runfolder
 from miles import MilesError
 from miles.protocols import Exports
 

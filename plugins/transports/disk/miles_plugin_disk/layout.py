@@ -16,7 +16,7 @@ import os
 import shutil
 from typing import Any, Iterable
 
-from miles_runfolder import fsync_path, write_atomic  # noqa: F401 (used by writer)
+from miles.runfolder import fsync_path, write_atomic  # noqa: F401 (used by writer)
 # the reading side of the format is shared with engines through the kernel (one copy)
 from miles_wire import LATEST, MANIFEST, committed, latest  # noqa: F401
 from miles_wire import parse_folder as parse

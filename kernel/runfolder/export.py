@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from miles import MilesError
+from ..errors import MilesError
 
 from .files import disk_errors
 

@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from miles import MilesError
+from ..errors import MilesError
 
 
 def fsync_path(path: str) -> None:

@@ -1,6 +1,6 @@
 import pytest
 from miles import ConfigError
-from miles_yamlconfig import apply_overrides, read_yaml
+from miles.config import apply_overrides, read_yaml
 
 
 def test_overrides_parse_values_as_yaml_and_make_sections(tmp_path):
@@ -25,7 +25,7 @@ def test_bad_files_and_overrides_are_config_errors_that_name_them(tmp_path):
 
 def test_schema_problems_name_their_keys_and_are_collected():
     from pydantic import BaseModel, ConfigDict, Field
-    from miles_yamlconfig import section_mapping, validate_settings
+    from miles.config import section_mapping, validate_settings
 
     class Inner(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -1,4 +1,5 @@
-"""``run.mode: sync``: the kernel's ``Mode`` protocol with nothing running between steps."""
+"""The default run mode, ``run.mode: sync``: roll out, train, push the new weights, in that order,
+with nothing running between steps. Other modes (``async``) are plugins."""
 from __future__ import annotations
 
 import contextlib
@@ -6,7 +7,7 @@ import random
 import time
 from typing import Any
 
-from miles import Group, SamplingParams
+from .types import Group, SamplingParams
 
 
 class SyncMode:

@@ -8,7 +8,7 @@ from miles.config import RolloutConfig
 from miles.protocols import Mode
 from miles.rollouts import ModeContext
 from miles.testing import assert_lazy_registration, make_group
-from miles_plugin_sync.mode import SyncMode
+from miles.modes import SyncMode
 
 
 def _ctx(rollouts, **rollout):
@@ -19,7 +19,7 @@ def _ctx(rollouts, **rollout):
 
 
 def test_registration_is_lazy():
-    assert_lazy_registration("miles_plugin_sync", "modes", "sync")
+    assert_lazy_registration("miles.builtin", "modes", "sync")
 
 
 def test_it_is_a_mode_and_pushes_through_the_transport():

@@ -3,7 +3,7 @@ log-probs and engine extras carried into the samples; the ``trylast`` hook defau
 from miles import Completion, SamplingParams, Status, Task
 from miles.protocols import Rollout
 from miles.testing import assert_lazy_registration, char_tokenizer
-from miles_plugin_single_turn.rollout import SingleTurn
+from miles.rollouts import SingleTurn
 
 
 class Engine:
@@ -23,7 +23,7 @@ class Engine:
 
 
 def test_registration_is_lazy():
-    assert_lazy_registration("miles_plugin_single_turn", "rollouts", "single_turn")
+    assert_lazy_registration("miles.builtin", "rollouts", "single_turn")
 
 
 def test_all_tasks_in_one_engine_call():
@@ -49,7 +49,7 @@ def test_the_trylast_hook_default_generates_one_task():
         def miles_rollout(self, task):
             return [] if task.prompt == "mine" else None
 
-    pm = make_plugin_manager(extra=["miles_plugin_single_turn"], autoload=False)
+    pm = make_plugin_manager(extra=["miles.builtin"], autoload=False)
     pm.register(Mine())
     tok = char_tokenizer()
     kw = {"n": 3, "engine": Engine(tok), "env": None, "tokenizer": tok, "params": SamplingParams()}
@@ -77,7 +77,7 @@ def test_a_run_leaves_the_hook_default_out_and_batches_unclaimed_tasks_into_its_
             self.calls.append([t.prompt for t in tasks])
             return [[Sample(task=t, response="other", reward=0.0)] for t in tasks]
 
-    pm = make_plugin_manager(extra=["miles_plugin_single_turn"], autoload=False)
+    pm = make_plugin_manager(extra=["miles.builtin"], autoload=False)
     pm.register(Mine())
     algorithm = SimpleNamespace(keep=lambda g: True)
     service = RolloutService(pm, Other(), None, SimpleNamespace(), char_tokenizer(), algorithm)

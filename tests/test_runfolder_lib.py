@@ -6,7 +6,7 @@ import json
 import pytest
 
 from miles import MilesError
-from miles_runfolder import begin, check_out_dir, check_resumable, commit, latest, truncate_metrics
+from miles.runfolder import begin, check_out_dir, check_resumable, commit, latest, truncate_metrics
 
 
 def _checkpoint(out, step, payload=b"weights"):

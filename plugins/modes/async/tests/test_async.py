@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from miles import Sample, Task
-from miles_plugin_sync.mode import SyncMode
+from miles.modes import SyncMode
 from miles.config import RolloutConfig
 from miles.rollouts import ModeContext
 from miles.types import Batch, SamplingParams

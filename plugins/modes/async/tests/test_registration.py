@@ -3,7 +3,7 @@ kernel's ``Mode`` protocol like ``sync`` (miles-plugin-sync)."""
 from types import SimpleNamespace
 
 from miles import SamplingParams
-from miles_plugin_sync.mode import SyncMode
+from miles.modes import SyncMode
 from miles.config import RolloutConfig
 from miles.protocols import Mode
 from miles.rollouts import ModeContext

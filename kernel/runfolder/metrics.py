@@ -14,7 +14,7 @@ class MetricsLog:
     """Appends one JSON object per step to ``out_dir/filename`` (flushed every line); a non-finite
     float is written as ``null`` (JSON has no NaN). Also the ``jsonl`` logger."""
 
-    def __init__(self, cfg: Any = None, *, out_dir: str, filename: str = "metrics.jsonl", **_: Any):
+    def __init__(self, cfg: Any = None, *, out_dir: str, filename: str = "metrics.jsonl", **_: Any) -> None:
         os.makedirs(out_dir, exist_ok=True)
         self.f = open(os.path.join(out_dir, filename), "a")
 

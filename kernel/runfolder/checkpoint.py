@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from miles import MilesError
+from ..errors import MilesError
 
 from .files import disk_errors, fsync_path, write_atomic
 from .metrics import highest_step
