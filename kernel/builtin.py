@@ -30,7 +30,7 @@ def miles_register_modes(register: Any) -> None:
 def miles_register_rollouts(register: Any) -> None:
     from .rollouts import SingleTurn
 
-    register("single_turn", SingleTurn)
+    register("single-turn", SingleTurn)
 
 
 @hookimpl(trylast=True)

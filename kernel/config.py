@@ -1,12 +1,13 @@
 """Config: one YAML file plus ``key.sub=value`` overrides, validated all at once.
 
 Kernel sections (``run``, ``rollout``) have schemas here; a section that selects a component
-(``model``, ``env``, ``engine``, ``algorithm``, ``trainer``, ``sync``, ``launcher``) names it with
+(``model``, ``env``, ``engine``, ``algorithm``, ``trainer``, ``transport``, ``launcher``) names it with
 ``name`` and the rest of the section is validated by that component's own schema.
 """
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigError
-from .plugins import SECTION_KINDS, MilesPluginManager
+from .plugins import SECTION_ALIASES, SECTION_KINDS, MilesPluginManager, canonical
 
 
 # --- the config as data: one YAML file plus key.sub=value overrides, and raw sections checked
@@ -38,14 +39,22 @@ def read_yaml(path: str) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``a.b=value`` (value parsed as YAML, so numbers/bools/lists work)."""
-    problems = []
+    """``a.b=value`` (value parsed as YAML, so numbers/bools/lists work). An aliased section
+    (``sync``) is read as the section it names, in the file and in the overrides alike, so an
+    override under either spelling wins over the file's value."""
+    problems: list[str] = []
+    unaliased = _unalias(data, problems)
+    data.clear()
+    data.update(unaliased)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             problems.append(f"override {item!r} must look like key.sub=value")
             continue
         node, parts = data, key.split(".")
+        if parts[0] in SECTION_ALIASES:
+            _notice(parts[0])
+            parts[0] = SECTION_ALIASES[parts[0]]
         for part in parts[:-1]:
             if not isinstance(node.setdefault(part, {}), dict):
                 node[part] = {}
@@ -159,8 +168,8 @@ class RolloutConfig(Strict):
     rollout component (``name``) and of the run mode (``run.mode``), each validated by its own
     schema."""
 
-    name: str = Field("single_turn", description="a registered rollout component: single_turn "
-                      "(one generation per sample) or a plugin's (e.g. multi_turn)")
+    name: str = Field("single-turn", description="a registered rollout component: single-turn "
+                      "(one generation per sample) or a plugin's (e.g. multi-turn)")
     batch_size: int = Field(64, gt=0, description="prompts per training step")
     n: int = Field(4, gt=0, description="samples per prompt (group size)")
     temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
@@ -180,7 +189,7 @@ class RolloutConfig(Strict):
 
 
 DEFAULT_NAMES = {"model": "hf", "env": "arith", "engine": "torch", "algorithm": "grpo",
-                 "trainer": "fsdp2", "sync": "tensor", "launcher": None}
+                 "trainer": "fsdp2", "transport": "tensor", "launcher": None}
 TOP_LEVEL = ["run", "rollout", *SECTION_KINDS, "loggers", "plugins"]
 # components that in-repo plugin distributions provide, for "not installed" errors
 PROVIDERS = {("modes", "async"): "miles-plugin-async", ("launchers", "local"): "miles-plugin-local",
@@ -224,7 +233,7 @@ def validate_section(pm: MilesPluginManager, section: str, raw: Any, problems: l
     if not isinstance(raw, dict):
         problems.append(f"{section}: must be a mapping with a 'name' key")
         return None, None
-    name = raw.pop("name", DEFAULT_NAMES[section])
+    name = canonical(raw.pop("name", DEFAULT_NAMES[section]))
     if name is None:
         if raw:
             problems.append(f"{section}: settings given but no {section}.name")
@@ -240,7 +249,7 @@ def validate_nested(pm: MilesPluginManager, kind: str, prefix: str, raw: Any, de
     like ``lora``): its name and validated settings from the run's registry (launch-time plugins
     included); a ``ConfigError`` lists every problem, each naming ``prefix.<key>``."""
     raw, problems, settings = dict(raw or {}), [], None
-    name = raw.pop("name", default)
+    name = canonical(raw.pop("name", default))
     if name == wrapper:
         problems.append(f"{prefix}.name: {wrapper} cannot wrap itself; name the {kind[:-1].replace('_', ' ')} "
                         f"it wraps (e.g. {default})")
@@ -265,9 +274,41 @@ def registered(pm: MilesPluginManager, kind: str, key: str, name: Any, problems:
     return False
 
 
+_NOTICED: set[str] = set()
+
+
+def _notice(old: str) -> None:
+    if old not in _NOTICED:
+        _NOTICED.add(old)
+        new = SECTION_ALIASES[old]
+        print(f"note: the {old}: section is now spelled {new}: (read as {new}:)", file=sys.stderr)
+
+
+def _unalias(data: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """``data`` with each aliased section (``sync:``) read as the section it names (``transport:``);
+    keys given under both spellings must agree. Says once per process that the old one is read."""
+    data = dict(data)
+    for old, new in SECTION_ALIASES.items():
+        if old not in data:
+            continue
+        _notice(old)
+        raw, given = data.pop(old), data.get(new)
+        if given is None:
+            data[new] = raw
+        elif isinstance(raw, dict) and isinstance(given, dict):
+            clash = [k for k in raw if k in given and raw[k] != given[k]]
+            problems += [f"{old}.{k}: differs from {new}.{k}; set it once, under {new}:" for k in clash]
+            data[new] = {**given, **raw}
+        else:
+            problems.append(f"{old}: given beside {new}:; keep only {new}:")
+    return data
+
+
 def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config") -> Config:
     """Validate everything; raise one ConfigError listing every problem."""
-    problems = [f"{key}: unknown section; allowed: {', '.join(TOP_LEVEL)}" for key in data if key not in TOP_LEVEL]
+    problems: list[str] = []
+    data = _unalias(data, problems)
+    problems += [f"{key}: unknown section; allowed: {', '.join(TOP_LEVEL)}" for key in data if key not in TOP_LEVEL]
     run = validate_settings(RunConfig, "run", section_mapping(data, "run", problems), problems)
     rollout, rollout_settings, mode_settings = _rollout_section(pm, data, run, problems)
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
@@ -331,7 +372,9 @@ def _rollout_section(pm: MilesPluginManager, data: dict[str, Any], run: RunConfi
     (``rollout.name``) and the run mode's (``run.mode``); a key none of them knows is a problem
     listing what all three allow."""
     raw = section_mapping(data, "rollout", problems)
-    name = raw.get("name", "single_turn")
+    name = canonical(raw.get("name", "single-turn"))
+    if "name" in raw:
+        raw["name"] = name
     parts: dict[str, tuple[Any, dict[str, Any]]] = {"kernel": (RolloutConfig, {})}
     if registered(pm, "rollouts", "rollout.name", name, problems):
         parts["component"] = (pm.registry("rollouts")[name].config, {})

@@ -91,7 +91,7 @@ class Loop:
         if with_engine and self.main:
             engine = pm.create("engines", cfg.name("engine"), cfg.settings("engine"), spec=spec,
                                tokenizer=tokenizer, seed=self.seed)
-        transport = pm.create("transports", cfg.name("sync"), cfg.settings("sync"), out_dir=cfg.run.out_dir)
+        transport = pm.create("transports", cfg.name("transport"), cfg.settings("transport"), out_dir=cfg.run.out_dir)
         self.p = Parts(env, spec, tokenizer, algorithm, engine, transport)
         r = cfg.rollout
         stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

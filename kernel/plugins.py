@@ -23,7 +23,27 @@ KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs
          "rollouts")
 # config section -> registry kind, for sections that select a component by ``name``
 SECTION_KINDS = {"model": "model_specs", "env": "envs", "engine": "engines", "algorithm": "algorithms",
-                 "trainer": "trainers", "sync": "transports", "launcher": "launchers"}
+                 "trainer": "trainers", "transport": "transports", "launcher": "launchers"}
+# older spellings of a section, read as the section they name (with a one-line notice)
+SECTION_ALIASES = {"sync": "transport"}
+
+
+def canonical(name: Any) -> Any:
+    """Component names use one separator, ``-`` (``tool-use``); ``tool_use`` names the same one."""
+    return name.replace("_", "-") if isinstance(name, str) else name
+
+
+class Registry(dict):
+    """Components of one kind by canonical name; looked up under either separator."""
+
+    def __getitem__(self, name: str) -> "Component":
+        return super().__getitem__(canonical(name))
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(canonical(name))
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return super().get(canonical(name), default)
 
 
 @dataclass
@@ -63,15 +83,15 @@ class MilesPluginManager(pluggy.PluginManager):
             self._registries = {k: self._collect(k) for k in KINDS}
         return self._registries[kind]
 
-    def _collect(self, kind: str) -> dict[str, Component]:
-        found: dict[str, Component] = {}
+    def _collect(self, kind: str) -> Registry:
+        found = Registry()
 
         def register(name: str, factory: Callable[..., Any], config: Any = None) -> None:
-            who = _CALLING.get()
+            who, name = _CALLING.get(), canonical(name)
             if name in found:
                 raise PluginError(f"{kind[:-1]} {name!r} is registered twice: by {found[name].plugin} "
                                   f"and by {who}; uninstall or disable one of them")
-            found[name] = Component(name, factory, config, who)
+            dict.__setitem__(found, name, Component(name, factory, config, who))
 
         getattr(self.hook, f"miles_register_{kind}")(register=register)
         return found

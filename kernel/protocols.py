@@ -129,7 +129,7 @@ class Engine(LoadsWeights, Protocol):
 @runtime_checkable
 class ReportsChecksums(Protocol):
     """``weight_checksums(names)``: sha256 prefix per tensor the engine holds (``None``: no part of
-    the engine holds the version just pushed); ``sync.verify`` compares them with the trainer's."""
+    the engine holds the version just pushed); ``transport.verify`` compares them with the trainer's."""
 
     def weight_checksums(self, names: Sequence[str] | None = None) -> dict[str, str] | None: ...
 
@@ -170,7 +170,7 @@ class ServerGroup(Protocol):
 
 @runtime_checkable
 class ReceivesP2P(Protocol):
-    """Engines that take point-to-point writes (``sync.name: p2p``): ``p2p_open(tensors,
+    """Engines that take point-to-point writes (``transport.name: p2p``): ``p2p_open(tensors,
     transport)`` registers a destination per tensor and returns each engine rank's endpoint
     (agent metadata, addresses, session); ``p2p_commit(weight_version, sessions)`` makes the
     written weights current once the trainer's writes are in."""

@@ -24,7 +24,7 @@ class RolloutService:
         self.tokenizer, self.algorithm, self.console = tokenizer, algorithm, console
         # the plugin of the default rollout (single_turn) also gives miles_rollout's trylast default,
         # for callers outside a run; a run batches the tasks no hook claims into its own component
-        default, impls = pm.registry("rollouts").get("single_turn"), pm.hook.miles_rollout.get_hookimpls()
+        default, impls = pm.registry("rollouts").get("single-turn"), pm.hook.miles_rollout.get_hookimpls()
         own = [i.plugin for i in impls if default is not None and pm.describe(i.plugin) == default.plugin]
         custom = len(impls) > len(own)
         self._custom = pm.subset_hook_caller("miles_rollout", remove_plugins=own) if custom else None

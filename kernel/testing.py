@@ -6,6 +6,8 @@ In a ``conftest.py``, ``from miles.testing import *  # noqa`` also brings the fi
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import subprocess
 import sys
 from typing import Any, Iterator, Sequence
@@ -18,7 +20,7 @@ from .types import Group, Sample, Task
 from miles_tinypolicy import char_tokenizer
 
 __all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration",
-           "listening_port", "run_module", "assert_usage_error"]
+           "listening_port", "run_module", "assert_usage_error", "require_commands"]
 
 
 @pytest.fixture
@@ -99,3 +101,22 @@ def assert_usage_error(p: subprocess.CompletedProcess, prog: str, *words: str) -
     assert first is not None, p.stderr
     told = "\n".join(lines[first:])
     assert all(w in told for w in words), (words, told)
+
+
+def require_commands(packages: dict[str, str]) -> None:
+    """Make the system commands a test needs exist: ``{command: Debian package}``. Missing ones are
+    installed with apt-get (the test suite then sets itself up on a fresh machine with only Python
+    and apt); where that cannot be done the test fails with the command to run, never skips."""
+    missing = sorted({pkg for cmd, pkg in packages.items() if shutil.which(cmd) is None})
+    if not missing:
+        return
+    fix = f"apt-get install -y {' '.join(missing)}"
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.fail(f"this test needs {', '.join(missing)}: run `sudo {fix}`")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for args in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *missing]):
+        p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
+        if p.returncode != 0:
+            pytest.fail(f"`{' '.join(args)}` failed ({p.returncode}): {p.stderr[-1500:]}")
+    still = [cmd for cmd in packages if shutil.which(cmd) is None]
+    assert not still, f"{fix} did not provide {', '.join(still)}"

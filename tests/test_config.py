@@ -123,3 +123,21 @@ def test_the_kernel_ships_the_default_mode_and_rollout_and_a_missing_warm_start_
     assert resolve(full, read_yaml(TINY)).run.warm_start.trainer == {"lr": 3.0e-3}
     bad = _problems(full, apply_overrides(read_yaml(TINY), ["run.warm_start.trainer.lr=-1"]))
     assert len(bad) == 1 and bad[0].startswith("run.warm_start.trainer.lr:"), bad
+
+
+def test_sync_is_an_alias_of_the_transport_section(pm, capsys):
+    import miles.config as config
+
+    config._NOTICED.clear()
+    data = read_yaml(TINY)
+    data["sync"] = data.pop("transport", {"name": "tensor"})
+    cfg = resolve(pm, apply_overrides(data, ["sync.name=disk", "sync.verify=true"]))
+    assert cfg.name("transport") == "disk" and cfg.settings("transport").verify is True
+    assert "sync" not in cfg.resolved() and cfg.resolved()["transport"]["name"] == "disk"
+    err = capsys.readouterr().err
+    assert err.count("note: the sync: section is now spelled transport:") == 1, err
+    # an override under the new spelling wins over the file's old one
+    cfg = resolve(pm, apply_overrides({**read_yaml(TINY), "sync": {"name": "disk"}}, ["transport.name=tensor"]))
+    assert cfg.name("transport") == "tensor"
+    clash = _problems(pm, {**read_yaml(TINY), "transport": {"name": "tensor"}, "sync": {"name": "disk"}})
+    assert clash == ["sync.name: differs from transport.name; set it once, under transport:"]

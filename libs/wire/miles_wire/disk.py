@@ -102,7 +102,7 @@ def _check(name: str, entry: dict[str, Any], t: torch.Tensor, verify: bool) -> N
                          f"the manifest says {entry['dtype']}{entry['shape']}")
     if verify and "blake2b" not in entry:
         raise MilesError(f"weight sync: tensor {name} was written without a checksum, so it cannot be "
-                         "verified (the writer computes them when sync.verify or sync.delta is on)")
+                         "verified (the writer computes them when transport.verify or transport.delta is on)")
     if verify and checksum(t) != entry["blake2b"]:
         raise MilesError(f"weight sync verification failed: tensor {name} in {entry['file']} "
                          "does not match its manifest checksum (corrupted shard?)")

@@ -13,7 +13,7 @@ class EngineProcess:
     tests. ``remote = True`` tells transports not to hand tensors over by reference.
 
     ``corrupt_after_updates(name)`` makes the child change one value of tensor ``name`` after
-    each weight update, to prove that ``sync.verify`` catches a bad engine copy.
+    each weight update, to prove that ``transport.verify`` catches a bad engine copy.
     """
 
     remote = True

@@ -35,8 +35,8 @@ def engine_checksums(engine: Any, names: Sequence[str]) -> dict[str, str] | None
     if isinstance(engine, WeightSource):
         wanted = set(names)
         return {n: checksum(t) for n, t in engine.named_weights() if n in wanted}
-    raise MilesError(f"sync.verify needs an engine with weight_checksums() or named_weights(); "
-                     f"{type(engine).__name__} has neither (set sync.verify=false)")
+    raise MilesError(f"transport.verify needs an engine with weight_checksums() or named_weights(); "
+                     f"{type(engine).__name__} has neither (set transport.verify=false)")
 
 
 def expect_same(want: dict[str, str], got: dict[str, str], who: str = "engine") -> None:
@@ -47,4 +47,4 @@ def expect_same(want: dict[str, str], got: dict[str, str], who: str = "engine") 
             detail = "is missing" if have is None else f"has checksum {have}, the trainer's is {digest}"
             raise MilesError(f"weight sync verification failed: {who} tensor {name} {detail} (an "
                              "engine running another dtype than the trainer can never match: use "
-                             "sync.verify=false there)")
+                             "transport.verify=false there)")

@@ -31,4 +31,4 @@ def miles_register_algorithms(register):
 
     register("grpo", _grpo, config=GRPOConfig)
     register("gspo", _gspo, config=GSPOConfig)
-    register("reinforce_pp", _reinforce_pp, config=ReinforcePPConfig)
+    register("reinforce-pp", _reinforce_pp, config=ReinforcePPConfig)

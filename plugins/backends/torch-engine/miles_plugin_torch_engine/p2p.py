@@ -30,7 +30,7 @@ import miles_wire as W
 import torch
 from miles import MilesError
 
-# UCX transport lists per ``sync.transport``: tcp works on any host; rdma asks for verbs
+# UCX transport lists per ``transport.transport``: tcp works on any host; rdma asks for verbs
 # transports (and GPU copies) and fails where no RDMA device exists
 UCX_TLS = {"tcp": "tcp,self", "rdma": "rc,ud,self,sm,cuda_copy,cuda_ipc", "auto": None}
 
@@ -62,7 +62,7 @@ def make_agent(name: str, transport: str, cuda: bool = False) -> Any:
     ``UCX_TLS`` when the agent is made); ``cuda``: GPU memory is registered too (UCX stages it
     through ``cuda_copy``)."""
     if transport not in UCX_TLS:
-        raise MilesError(f"sync.transport: {transport!r} is not one of {', '.join(UCX_TLS)}")
+        raise MilesError(f"transport.transport: {transport!r} is not one of {', '.join(UCX_TLS)}")
     tls = UCX_TLS[transport]
     if tls:
         os.environ["UCX_TLS"] = tls + (",cuda_copy" if cuda and "cuda_copy" not in tls else "")
@@ -79,7 +79,7 @@ def _nixl() -> Any:
             return importlib.import_module(module)
         except ImportError:
             continue
-    raise MilesError("sync.name=p2p needs NIXL: pip install 'nixl-cu12>=1.5.1,<1.6' (nixl-cu13 on "
+    raise MilesError("transport.name=p2p needs NIXL: pip install 'nixl-cu12>=1.5.1,<1.6' (nixl-cu13 on "
                      "CUDA 13 hosts), or pip install -e plugins/transports/p2p")
 
 
@@ -93,7 +93,7 @@ def p2p_open(engine: Any, tensors: Sequence[dict], transport: str = "tcp") -> di
         st.transport = transport
     elif transport != st.transport:
         raise MilesError(f"torch engine: p2p transport {transport!r} asked, but this engine's agent "
-                         f"uses {st.transport!r} (restart the engine to change sync.transport)")
+                         f"uses {st.transport!r} (restart the engine to change transport.transport)")
     names = [str(t["name"]) for t in tensors]
     dtypes = [str(t["dtype"]).removeprefix("torch.") for t in tensors]
     shapes = [tuple(int(d) for d in t["shape"]) for t in tensors]

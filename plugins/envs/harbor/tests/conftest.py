@@ -3,13 +3,13 @@ podman containers from a locally built image) and ``miles serve`` with a tiny po
 started once per test module (so none outlives its tests in a long test run), stopped after it
 and checked to be gone."""
 import os
-import shutil
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from miles.testing import require_commands
 from miles_procs import unused_port
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -37,8 +37,7 @@ def server(tmp_path_factory):
     from miles_plugin_harbor.launch import HarborServer
     from miles_procs import session_pids
 
-    if not (shutil.which("podman") and shutil.which("runc")):
-        pytest.skip("Harbor trials here run in podman: apt-get install podman runc")
+    require_commands({"podman": "podman", "runc": "runc"})  # Harbor trials here run in podman
     s = HarborServer(unused_port(), tmp_path_factory.mktemp("harbor"))
     probe = _container_runs(s)
     if probe:  # a host whose kernel or sandbox cannot run containers at all (not a failure of ours)

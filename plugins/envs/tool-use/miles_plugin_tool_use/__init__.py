@@ -9,7 +9,7 @@ from miles import hookimpl
 def miles_register_envs(register):
     from .config import ToolUseConfig
 
-    register("tool_use", _make, config=ToolUseConfig)
+    register("tool-use", _make, config=ToolUseConfig)
 
 
 def _make(cfg, *, seed: int = 0, **_):

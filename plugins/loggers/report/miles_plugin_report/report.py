@@ -38,7 +38,7 @@ def summary(run: Run) -> list[tuple[str, Any]]:
     """The headline facts of a run: what ran and how it ended."""
     cfg, rows = run.config, run.rows
     facts: list[tuple[str, Any]] = [("run folder", str(run.folder.resolve()))]
-    for section in ("model", "env", "algorithm", "trainer", "engine", "sync"):
+    for section in ("model", "env", "algorithm", "trainer", "engine", "transport", "sync"):
         if isinstance(cfg.get(section), dict) and cfg[section].get("name"):
             facts.append((section, cfg[section]["name"]))
     run_cfg = cfg.get("run") if isinstance(cfg.get("run"), dict) else {}

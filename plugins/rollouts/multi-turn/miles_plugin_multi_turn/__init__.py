@@ -10,7 +10,7 @@ from miles import hookimpl
 def miles_register_rollouts(register):
     from .config import MultiTurnConfig
 
-    register("multi_turn", _make, config=MultiTurnConfig)
+    register("multi-turn", _make, config=MultiTurnConfig)
 
 
 def _make(cfg, **_):

@@ -28,7 +28,7 @@ class BroadcastSyncConfig(BaseModel):
                                                      "trainer's weights are on a GPU, else gloo. "
                                                      "NCCL needs the engines on other GPUs than "
                                                      "trainer rank 0 (one GPU shared: use "
-                                                     "sync.name=tensor)")
+                                                     "transport.name=tensor)")
     master_address: str = Field("127.0.0.1", description="address at which engines reach trainer "
                                 "rank 0 (set this host's IP when engines run on other machines)")
     master_port: int = Field(0, ge=0, le=65535, description="rendezvous port on trainer rank 0; 0 "

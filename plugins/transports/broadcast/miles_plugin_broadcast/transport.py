@@ -201,7 +201,7 @@ class BroadcastTransport:
             calls.check()
             if time.monotonic() > deadline:
                 raise MilesError(f"weight sync: engines did not take part in a broadcast within "
-                                 f"{self.cfg.timeout_s:.0f} s (sync.timeout_s)")
+                                 f"{self.cfg.timeout_s:.0f} s (transport.timeout_s)")
 
         return check
 
@@ -230,7 +230,7 @@ class BroadcastTransport:
         return slots
 
     def _wire_dtype(self, t: Any) -> Any:
-        """The dtype ``t`` travels as (``sync.dtype`` for floating-point tensors)."""
+        """The dtype ``t`` travels as (``transport.dtype`` for floating-point tensors)."""
         return W.to_dtype(self.cfg.dtype) if self.cfg.dtype and t.is_floating_point() else t.dtype
 
     def _pack_below(self) -> int:

@@ -30,7 +30,7 @@ from miles.protocols import ReceivesP2P
 from .config import P2PSyncConfig
 from .plan import cut, plan
 
-# UCX transport lists per ``sync.transport`` (UCX reads UCX_TLS when an agent is made); the
+# UCX transport lists per ``transport.transport`` (UCX reads UCX_TLS when an agent is made); the
 # torch engine's receiver uses the same lists, so both ends share a transport
 UCX_TLS = {"tcp": "tcp,self", "rdma": "rc,ud,self,sm,cuda_copy,cuda_ipc", "auto": None}
 
@@ -53,7 +53,7 @@ def make_agent(name: str, transport: str) -> Any:
         except ImportError:
             continue
     else:
-        raise MilesError("sync.name=p2p needs NIXL: pip install -e plugins/transports/p2p (nixl-cu12; "
+        raise MilesError("transport.name=p2p needs NIXL: pip install -e plugins/transports/p2p (nixl-cu12; "
                          "nixl-cu13 on CUDA 13 hosts)")
     return api.nixl_agent(name, api.nixl_agent_config(
         backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
@@ -285,7 +285,7 @@ class P2PTransport:
                 agent.release_xfer_handle(h)
                 if state != "DONE":
                     failed.append((j, f"p2p weight sync: {where} failed: transfer state {state} "
-                                      f"(sync.timeout_s={self.cfg.timeout_s:g})"))
+                                      f"(transport.timeout_s={self.cfg.timeout_s:g})"))
         finally:
             if free is not None:
                 free.put(slot)
@@ -390,9 +390,9 @@ def _open(engine: Any, layout: list[dict], transport: str) -> list[dict]:
     """The engine's transfer endpoints, one per engine rank (a client of several servers: one per
     server)."""
     if not isinstance(engine, ReceivesP2P):
-        raise MilesError(f"sync.name=p2p: engine {type(engine).__name__} publishes no transfer endpoint "
+        raise MilesError(f"transport.name=p2p: engine {type(engine).__name__} publishes no transfer endpoint "
                          "(p2p_open); use `miles serve` workers (launcher.engines>=1, engine.name=sglang), "
-                         "or sync.name=tensor for an in-process engine")
+                         "or transport.name=tensor for an in-process engine")
     got = engine.p2p_open(tensors=layout, transport=transport)
     return [got] if isinstance(got, dict) else list(got)
 

@@ -68,8 +68,8 @@ def _check_room(size: int) -> None:
     if size > free:
         raise MilesError(f"tensor transport: a {size / 2**20:.0f} MiB shared memory segment does not "
                          f"fit in /dev/shm ({free / 2**20:.0f} MiB free). Enlarge it (docker run "
-                         "--shm-size), lower sync.bucket_mb, set sync.adopt=false (one segment set "
-                         "instead of two), or use sync.name=broadcast")
+                         "--shm-size), lower transport.bucket_mb, set transport.adopt=false (one segment set "
+                         "instead of two), or use transport.name=broadcast")
 
 
 def _close(entry: tuple[Any, torch.Tensor]) -> None:
