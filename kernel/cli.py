@@ -14,9 +14,10 @@ from .errors import MilesError, PluginError
 from .plugins import _CALLING, KINDS, make_plugin_manager, plugin_table
 
 
-def load(config: str, overrides: list[str], plugins: list[str]) -> tuple[Any, Any]:
+def load(config: str, overrides: list[str], plugins: list[str], *, trust_listed: bool = True) -> tuple[Any, Any]:
     """Plugin manager + validated config of a run (``plugins``: launch-time modules besides the config's
-    own ``plugins:``), with every config problem reported at once."""
+    own ``plugins:``), with every config problem reported at once. ``trust_listed=False`` (a run
+    folder's config): only the ``plugins:`` entries that ``plugins`` names again are imported."""
     from .config import apply_overrides, read_yaml, resolve
 
     if Path(config).is_dir():
@@ -26,7 +27,10 @@ def load(config: str, overrides: list[str], plugins: list[str]) -> tuple[Any, An
     except UnicodeDecodeError as e:
         raise MilesError(f"{config} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     listed = data.get("plugins") if isinstance(data.get("plugins"), list) else []
-    pm = make_plugin_manager(extra=list(plugins) + [p for p in listed if isinstance(p, str)])
+    listed = [p for p in listed if isinstance(p, str)]
+    if not trust_listed:
+        listed = runfolder.folder_plugins(listed, plugins, False, config)
+    pm = make_plugin_manager(extra=list(plugins) + listed)
     return _checked(pm), resolve(pm, data, source=config)
 
 

@@ -12,13 +12,16 @@ import miles.runfolder as runfolder
 def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("config", help="YAML config file")
     sp.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    runfolder.add_trust_flag(sp)
 
 
 def run(args: argparse.Namespace) -> int:
     from miles.cli import load
     from miles.loop import Loop
 
-    loop = Loop(*load(args.config, args.overrides, args.plugin or []))
+    # a run folder's own config.yaml may come from anyone: its plugins: are imported only on request
+    trusted = args.trust_run_plugins or not runfolder.is_run_config(args.config)
+    loop = Loop(*load(args.config, args.overrides, args.plugin or [], trust_listed=trusted))
     loop.build()
     found = runfolder.latest(loop.cfg.run.out_dir)  # none: the freshly initialised model
     loop.new_trainer(found)

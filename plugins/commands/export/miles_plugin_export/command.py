@@ -16,6 +16,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--to", required=True, help="destination folder (new or empty)")
     sp.add_argument("--force", action="store_true", help="write into a non-empty folder, replacing "
                     "same-named files only")
+    runfolder.add_trust_flag(sp)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     found = runfolder.latest(args.run_dir)
     if not found:
         raise MilesError(f"{args.run_dir} has no intact checkpoint; train first")
-    loop = Loop(*load(str(cfg_file), [f"run.out_dir={args.run_dir}"], args.plugin or []))
+    loop = Loop(*load(str(cfg_file), [f"run.out_dir={args.run_dir}"], args.plugin or [],
+                      trust_listed=args.trust_run_plugins))
     loop.build(with_engine=False)
     loop.new_trainer(found)
     if not isinstance(loop.p.spec, Exports):
