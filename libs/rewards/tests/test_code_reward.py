@@ -37,7 +37,8 @@ def test_broken_hanging_and_hostile_programs_score_low_without_raising(code):
     forge = "```python\nprint('passed 0'); print(open('marker.txt').read(), 0)\ndef add(a, b): return None\n```"
     assert code(forge, TESTS).score == 0.0
     # no network in the sandbox
-    net = "```python\nimport socket\ndef add(a, b):\n    socket.create_connection(('1.1.1.1', 53), 2)\n    return a + b\n```"
+    net = ("```python\nimport socket\ndef add(a, b):\n    socket.create_connection(('1.1.1.1', 53), 2)\n"
+           "    return a + b\n```")
     assert code(net, TESTS[:1]).score == 0.0
 
 

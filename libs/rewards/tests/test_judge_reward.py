@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[3]
 # no spaces anywhere: saved beside a Qwen2 config, the character tokenizer loads back with a
 # byte-level pre-tokenizer that drops them
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz[]:;+=.?"
-TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
 JUDGE = {"prompt_template": "q:{prompt};a:{response};ref:{label}", "max_tokens": 16}
 GRADES = {("2+2=?", "4", "4"): "right.score:9", ("2+2=?", "5", "4"): "wrong.score:1"}
 
@@ -34,7 +35,8 @@ def train_judge(tok):
     rows = []
     for (q, a, ref), grade in GRADES.items():
         user = JUDGE["prompt_template"].replace("{prompt}", q).replace("{response}", a).replace("{label}", ref)
-        prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                         add_generation_prompt=True)
         p, g = tok.encode(prompt, add_special_tokens=False), tok.encode(grade, add_special_tokens=False)
         rows.append((p + g + [tok.eos_token_id], len(p)))
     width = max(len(r) for r, _ in rows)
