@@ -24,7 +24,7 @@ from .config import Config
 from .errors import EngineRestarted, MilesError
 from .plugins import MilesPluginManager
 from .protocols import (BuildsBatches, Console, Distributed, ExactScoring, Mode, OffersTokenizer, Prepares,
-                        ReceivesWeights, ScoresBatches, SupportsCritic, SuppliesSamples, SyncFilter)
+                        ReceivesWeights, ScoresBatches, SupportsCritic, SuppliesSamples, SyncFilter, UsesTokenizer)
 from .rollouts import ModeContext, RolloutService
 from .types import Batch, Sample, SamplingParams
 
@@ -86,6 +86,8 @@ class Loop:
         env = pm.create("envs", cfg.name("env"), cfg.settings("env"), seed=self.seed)
         spec = pm.create("model_specs", cfg.name("model"), cfg.settings("model"), pm=pm)
         tokenizer = spec.build_tokenizer(env.tokenizer() if isinstance(env, OffersTokenizer) else None)
+        if isinstance(env, UsesTokenizer):  # e.g. prompts dropped over a token length
+            env.use_tokenizer(tokenizer)
         algorithm = pm.create("algorithms", cfg.name("algorithm"), cfg.settings("algorithm"))
         engine = None
         if with_engine and self.main:

@@ -101,6 +101,23 @@ class Demonstrates(Protocol):
     def demonstrations(self) -> Sequence[tuple[Task, Any]]: ...
 
 
+@runtime_checkable
+class UsesTokenizer(Protocol):
+    """An env whose tasks depend on the run's tokenizer (e.g. prompts dropped over a token length,
+    a chat template checked): ``use_tokenizer(tokenizer)`` is called once, right after the model
+    spec built the tokenizer and before any ``tasks(split)``."""
+
+    def use_tokenizer(self, tokenizer: Any) -> None: ...
+
+
+@runtime_checkable
+class EnvMetrics(Protocol):
+    """An env's own step metrics (e.g. its verifier's extraction failures): ``metrics(samples)``
+    over a step's (or an evaluation's) samples, merged into the step's metrics like a rollout's."""
+
+    def metrics(self, samples: Sequence[Sample]) -> dict[str, float]: ...
+
+
 # --- engines --------------------------------------------------------------------------------------
 @runtime_checkable
 class LoadsWeights(Protocol):

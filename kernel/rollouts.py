@@ -69,10 +69,12 @@ class RolloutService:
         s.reward = float(r)
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
-        """The rollout component's own step metrics (e.g. ``turns_mean``), if it has any."""
-        from .protocols import RolloutMetrics
+        """The rollout component's and the env's own step metrics (e.g. ``turns_mean``), if any."""
+        from .protocols import EnvMetrics, RolloutMetrics
 
         m = self.rollout.metrics(samples) if isinstance(self.rollout, RolloutMetrics) else {}
+        if isinstance(self.env, EnvMetrics):  # e.g. the verifier's extraction failures
+            m = {**m, **self.env.metrics(samples)}
         count, self.invalid_rewards = self.invalid_rewards, 0
         return {**m, "rewards_invalid": float(count)} if count else dict(m)
 
