@@ -440,6 +440,42 @@ class Console(Protocol):
     def progress(self, phase: str, done: int, total: int) -> None: ...
 
 
+# --- telemetry (what miles dashboard shows) ---------------------------------------------------------
+@runtime_checkable
+class Recorder(Protocol):
+    """What a run records for ``miles dashboard``, on trainer rank 0 (``miles_telemetry.RunRecorder``
+    is the kernel's; ``run.telemetry`` configures it). It must stay cheap: the loop calls it at span
+    boundaries of every step.
+
+    ``open(out_dir, tokenizer, engine_stats)``: start writing (``engine_stats()``: one reading per
+    engine, see ``EngineStats``); ``span(name, **attrs)``: a context manager timing one span on
+    the calling thread's lane (``rollout``, ``generate``, ``reward``, ``filter``, ``train``,
+    ``weight_sync``, ``eval``; ``generate`` carries ``tokens`` and ``engines``);
+    ``pick(step, samples, advantages)``: the step's training samples, of which it keeps a few;
+    ``train_logprobs(samples, logprobs)``: a (micro-)batch's training log-probs ``[B, R]``, row
+    ``i`` of ``samples[i]``; ``step_end(step, metrics)``: the step is logged, returns metrics the
+    recorder adds to it; ``close()``: at the end of the run, also after an error.
+    """
+
+    def open(self, out_dir: str, tokenizer: Any = None,
+             engine_stats: Callable[[], list[dict[str, Any]]] | None = None) -> None: ...
+    def span(self, name: str, **attrs: Any) -> ContextManager[Any]: ...
+    def pick(self, step: int, samples: Sequence[Sample], advantages: Sequence[Any]) -> None: ...
+    def train_logprobs(self, samples: Sequence[Sample], logprobs: "torch.Tensor") -> None: ...
+    def step_end(self, step: int, metrics: dict[str, Any]) -> dict[str, float]: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class EngineStats(Protocol):
+    """An engine that reports its load: ``engine_stats()``, one dict per engine (server) with any
+    of ``name``, ``running`` and ``queued`` requests, ``kv_cache_usage`` (0-1),
+    ``generated_tokens`` (a running total), ``spec_accept_rate``; read every few seconds from
+    another thread, so it must not wait on generation."""
+
+    def engine_stats(self) -> list[dict[str, Any]]: ...
+
+
 # --- tools and multi-turn demonstrations ----------------------------------------------------------
 @runtime_checkable
 class OffersTools(Protocol):
