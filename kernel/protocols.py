@@ -118,6 +118,15 @@ class EnvMetrics(Protocol):
     def metrics(self, samples: Sequence[Sample]) -> dict[str, float]: ...
 
 
+@runtime_checkable
+class ExtractsAnswers(Protocol):
+    """An env that can say which final answer a scored sample gave: ``answer(sample)``, text that
+    is equal for equal answers (``0.5`` and ``\\frac12`` alike), or None when it found none.
+    ``miles eval``'s majority voting (maj@k) counts these; without it, the stripped response."""
+
+    def answer(self, sample: Sample) -> str | None: ...
+
+
 # --- engines --------------------------------------------------------------------------------------
 @runtime_checkable
 class LoadsWeights(Protocol):
