@@ -165,14 +165,13 @@ def test_planted_pickles_do_not_run_on_export_or_resume(finished, tmp_path, capf
     # a non-tensor item of a DCP checkpoint (where the optimizer keeps its hyper-parameters)
     import torch.distributed.checkpoint as dcp
     from miles import MilesError
-    from miles_plugin_fsdp2.checkpoint import SafePlanner, SafeReader
+    from miles_safeload import SafeReader
 
     dcp.save({"x": _Plant(marker), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    planner = SafePlanner()
-    with pytest.raises(BaseException):  # noqa: B017 (DCP wraps what the planner raised)
-        dcp.load({"x": None, "w": torch.zeros(2)}, storage_reader=SafeReader(str(tmp_path / "dcp")),
-                 planner=planner, no_dist=True)
-    assert isinstance(planner.refused, MilesError) and "not plain data" in str(planner.refused)
+    reader = SafeReader(str(tmp_path / "dcp"))
+    with pytest.raises(BaseException):  # noqa: B017 (DCP wraps what the reader raised)
+        dcp.load({"x": None, "w": torch.zeros(2)}, storage_reader=reader, no_dist=True)
+    assert isinstance(reader.refused, MilesError) and "not plain data" in str(reader.refused)
     assert not marker.exists()
 
 

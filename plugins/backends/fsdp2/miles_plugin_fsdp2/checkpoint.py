@@ -6,80 +6,25 @@ go through DCP, and so does a model spec's own training state (``KeepsTrainingSt
 diffusers spec's EMA old policy, under ``spec.``); the LR scheduler state is a small
 ``trainer_state.json`` and the RNG state ``rng.safetensors``, both written by rank 0.
 
-Nothing is unpickled freely on load, so a planted checkpoint cannot run code: DCP's ``.metadata``
-pickle goes through an allow-list of DCP's own metadata classes, and its non-tensor items (the
-optimizer's hyper-parameters) through ``torch.load(weights_only=True)``.
+Nothing is unpickled freely on load, so a planted checkpoint cannot run code: DCP reads through
+miles-safeload's ``SafeReader`` (allow-listed ``.metadata``, non-tensor items such as the
+optimizer's hyper-parameters only through ``torch.load(weights_only=True)``).
 """
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
-import pickle
 import warnings
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from miles_safeload import SafeReader
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from miles.protocols import KeepsTrainingState
 
 EXTRA, RNG = "trainer_state.json", "rng.safetensors"
-_META_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_META_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata classes, torch sizes/dtypes/layouts and paths: nothing that can run code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        ok = ((module, name) in _META_NAMES or module in _META_MODULES
-              or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-        obj = super().find_class(module, name) if ok else None
-        if obj is None or (module in _META_MODULES and not isinstance(obj, type)):
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
-        return obj
-
-
-class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is unpickled through an allow-list."""
-
-    refused: Exception | None = None  # what it refused (DCP wraps errors in CheckpointException)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from miles import MilesError
-
-        try:
-            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-                meta = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-            self.refused = MilesError(f"{self.path} has a damaged or unsafe .metadata ({e}); it was not loaded")
-            raise self.refused from None
-        meta.storage_meta = getattr(meta, "storage_meta", None) or __import__(
-            "torch.distributed.checkpoint.metadata", fromlist=["StorageMeta"]).StorageMeta()
-        meta.storage_meta.load_id = self.load_id
-        return meta
-
-
-class SafePlanner(DefaultLoadPlanner):
-    """Non-tensor items (plain Python values) are loaded only once ``weights_only=True`` accepts them."""
-
-    refused: Exception | None = None
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from miles import MilesError
-
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            self.refused = MilesError(f"checkpoint item {read_item.dest_index.fqn} is not plain data "
-                                      f"(refused to unpickle it): {str(e).splitlines()[0]}")
-            raise self.refused from None
-        value.seek(0)
-        super().load_bytes(read_item, value)  # the same bytes, now known to hold only allowed values
 
 
 @contextlib.contextmanager
@@ -156,13 +101,13 @@ def load(trainer: Any, path: str) -> None:
     state = {"model": model_sd, "optim": optim_sd}
     if trainer.ref is not None:
         state["ref"] = get_model_state_dict(trainer.ref)
-    reader, planner = SafeReader(path), SafePlanner()
+    reader = SafeReader(path)
     try:
         with _quiet():
-            dcp.load(state, storage_reader=reader, planner=planner)
+            dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as e:  # e.g. a size mismatch: the model config changed
-        if reader.refused or planner.refused or isinstance(e, MilesError):
-            raise (reader.refused or planner.refused or e) from None
+        if reader.refused or isinstance(e, MilesError):
+            raise (reader.refused or e) from None
         raise MilesError(f"trainer checkpoint {path} does not fit this model ({_first_line(e)}); "
                          f"restore the model settings it was written with, or pick a new run.out_dir") from e
     set_state_dict(trainer.model, trainer.optim, model_state_dict=state["model"],
@@ -187,12 +132,12 @@ def read_model(path: str, key: str = "model") -> dict[str, torch.Tensor]:
     want = {k[len(key) + 1:]: torch.empty(m.size, dtype=m.properties.dtype)
             for k, m in meta.state_dict_metadata.items()
             if k.startswith(key + ".") and isinstance(m, dcp.TensorStorageMetadata)}
-    reader, planner = SafeReader(path), SafePlanner()
+    reader = SafeReader(path)
     try:
         with _quiet():
-            dcp.load({key: want}, storage_reader=reader, planner=planner, no_dist=True)
+            dcp.load({key: want}, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException):
-        if reader.refused or planner.refused:
-            raise (reader.refused or planner.refused) from None
+        if reader.refused:
+            raise reader.refused from None
         raise
     return want
