@@ -148,6 +148,13 @@ def miles_register_rollouts(register: Register) -> None:
 
 
 @hookspec
+def miles_register_architectures(register: Register) -> None:
+    """Register model families' specifics (``miles.protocols.Architecture``), one per Hugging Face
+    ``model_type`` (the name; ``factory(None)`` makes it); called once. Model specs look up their
+    model's type here, and a family plugin adds an architecture without touching any other code."""
+
+
+@hookspec
 def miles_validate_config(config: Any, pm: Any) -> list[str] | None:
     """Check settings across sections, before anything is built.
 

@@ -20,7 +20,7 @@ from .errors import PluginError
 
 GROUP = "miles.plugins"
 KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs", "launchers", "loggers", "modes",
-         "rollouts")
+         "rollouts", "architectures")
 # config section -> registry kind, for sections that select a component by ``name``
 SECTION_KINDS = {"model": "model_specs", "env": "envs", "engine": "engines", "algorithm": "algorithms",
                  "trainer": "trainers", "transport": "transports", "launcher": "launchers"}
@@ -88,6 +88,9 @@ class MilesPluginManager(pluggy.PluginManager):
 
         def register(name: str, factory: Callable[..., Any], config: Any = None) -> None:
             who, name = _CALLING.get(), canonical(name)
+            if not callable(factory):
+                raise PluginError(f"plugin {who} registers {kind[:-1]} {name!r} with a factory that is not "
+                                  f"callable ({type(factory).__name__} {factory!r:.40}); register a class or function")
             if name in found:
                 raise PluginError(f"{kind[:-1]} {name!r} is registered twice: by {found[name].plugin} "
                                   f"and by {who}; uninstall or disable one of them")
@@ -103,6 +106,11 @@ class MilesPluginManager(pluggy.PluginManager):
         except ImportError as e:
             raise PluginError(f"{kind[:-1]} {name!r} from {comp.plugin} needs a package that is not "
                               f"installed: {e}. Install it (pip install {e.name or '...'})") from e
+        except MilesError:
+            raise
+        except Exception as e:  # the user learns which plugin failed and why, not a traceback into it
+            raise PluginError(f"{kind[:-1]} {name!r} from {comp.plugin} failed to start: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 _CALLING: contextvars.ContextVar[str] = contextvars.ContextVar("miles_calling_plugin", default="?")
@@ -153,7 +161,7 @@ def make_plugin_manager(extra: list[str] = (), autoload: bool | None = None,
             origin = f"{dist} {ep.dist.version if ep.dist else ''}".strip()
             try:
                 module = ep.load()
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # a plugin's sys.exit() must not end miles silently
                 raise PluginError(f"plugin {ep.name!r} from distribution {origin} failed to import: "
                                   f"{type(e).__name__}: {e}. Reinstall it, or set "
                                   f"MILES_PLUGINS to an allow-list that leaves it out") from e
@@ -206,13 +214,13 @@ def load_module(spec: str) -> tuple[Any, str]:
         try:
             sys.modules[mod_name] = module
             loader_spec.loader.exec_module(module)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             sys.modules.pop(mod_name, None)
             raise PluginError(f"plugin file {path} failed to import: {type(e).__name__}: {e}") from e
         return module, str(path)
     try:
         return importlib.import_module(spec), spec
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise PluginError(f"plugin module {spec!r} failed to import: {type(e).__name__}: {e}") from e
 
 

@@ -525,3 +525,47 @@ class RecordsRouting(Protocol):
     ``ScoresActions.action_logprobs`` replays them in the trainer."""
 
     def routing_recorder(self, model: "torch.nn.Module") -> Any: ...
+
+
+# --- architectures --------------------------------------------------------------------------------
+@runtime_checkable
+class Architecture(Protocol):
+    """A model family's specifics, registered under a Hugging Face ``model_type`` with
+    ``miles_register_architectures`` (factory context: none), so that model specs, engines,
+    trainers and routing replay learn them without naming the family.
+
+    ``padded_batches``: rows of different lengths may share a forward, left-padded, without
+    changing any row's result (False where a layer's state ignores the padding mask, e.g. token
+    compression by absolute position: the engine then runs each prompt's samples on their own).
+    ``check_config(config)``: problems of an inline ``model.config`` (``model_type`` plus sizes),
+    each a string starting with the key it is about; empty when it can build a model.
+    """
+
+    padded_batches: bool
+
+    def check_config(self, config: dict[str, Any]) -> list[str]: ...
+
+
+@runtime_checkable
+class RoutesExperts(Protocol):
+    """An architecture whose mixture-of-experts routers routing replay (R3) can drive.
+
+    ``routers(model)``: the router modules, one per MoE layer in forward order; each has ``top_k``
+    and ``num_experts`` and its forward returns ``(logits, weights, indices)`` (indices
+    ``[tokens, top_k]``). ``gate_weights(router, logits, indices)``: the ``[tokens, top_k]`` weights
+    that router gives experts ``indices``, from the ``logits`` its forward returned (so gradients
+    reach the router), by the same operations as its forward: for the experts it chose itself,
+    the weights it returned, bit for bit.
+    """
+
+    def routers(self, model: "torch.nn.Module") -> list["torch.nn.Module"]: ...
+    def gate_weights(self, router: "torch.nn.Module", logits: "torch.Tensor",
+                     indices: "torch.Tensor") -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class KnowsArchitecture(Protocol):
+    """A model spec that names its model's ``Architecture``: ``architecture()`` (None: no plugin
+    registered one for its ``model_type``; everything then runs the generic way)."""
+
+    def architecture(self) -> Architecture | None: ...
