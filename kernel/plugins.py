@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pluggy
 
 from . import hookspecs
-from .errors import PluginError
+from .errors import MilesError, PluginError
 
 GROUP = "miles.plugins"
 KINDS = ("engines", "trainers", "transports", "algorithms", "envs", "model_specs", "launchers", "loggers", "modes",
@@ -206,8 +206,8 @@ def load_module(spec: str) -> tuple[Any, str]:
     if spec.endswith(".py") or os.sep in spec or "/" in spec:
         path = Path(spec).expanduser().resolve()
         if not path.is_file():
-            raise PluginError(f"plugin file {spec} does not exist; pass a path to a .py file or a "
-                              f"dotted module name")
+            what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+            raise PluginError(f"plugin file {spec} {what}; pass a path to a .py file or a dotted module name")
         mod_name = f"miles_launch_{path.stem}"
         loader_spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(loader_spec)
