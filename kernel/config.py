@@ -147,6 +147,18 @@ class WarmStartConfig(Strict):
                                     description="trainer settings overridden during the warm start")
 
 
+class TelemetryConfig(Strict):
+    """``run.telemetry``: what a run records in ``RUN/telemetry`` for ``miles dashboard``."""
+
+    enabled: bool = Field(True, description="record span timings, sampled trajectories and device "
+                          "readings (false: none of them)")
+    samples: int = Field(4, ge=0, description="trajectories kept per step, with per-token rollout and "
+                         "training log-probs (0: none)")
+    max_mb: float = Field(64.0, gt=0, description="size cap of the rotating sample and device files")
+    devices_every: float = Field(5.0, ge=0, description="seconds between device and engine readings "
+                                 "(0: none)")
+
+
 class RunConfig(Strict):
     steps: int = Field(100, ge=0, description="training steps of the run")
     out_dir: str = Field("runs/default", description="run folder: metrics.jsonl, checkpoints, config")
@@ -161,6 +173,8 @@ class RunConfig(Strict):
     mode: str = Field("sync", description="a registered run mode. sync: rollout then train, exactly "
                       "on-policy; async (miles-plugin-async): rollout workers stream groups into a "
                       "bounded buffer while the trainer trains")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="what the run "
+                                       "records for miles dashboard")
 
 
 class RolloutConfig(Strict):

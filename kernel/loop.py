@@ -19,12 +19,14 @@ from typing import Any, Callable, Iterator
 import yaml
 
 import miles.runfolder as runfolder
+from miles_telemetry import RunRecorder
 
 from .config import Config
 from .errors import EngineRestarted, MilesError
 from .plugins import MilesPluginManager
 from .protocols import (BuildsBatches, Console, Distributed, ExactScoring, Mode, OffersTokenizer, Prepares,
                         ReceivesWeights, ScoresBatches, SupportsCritic, SuppliesSamples, SyncFilter, UsesTokenizer)
+from .protocols import EngineStats, Recorder
 from .rollouts import ModeContext, RolloutService
 from .types import Batch, Sample, SamplingParams
 
@@ -75,6 +77,8 @@ class Loop:
         self.bad_steps = self.nonfinite_total = 0
         self._previous: dict[int, Any] = {}
         self._synced_once = False
+        t = cfg.run.telemetry  # rank 0 records what miles dashboard shows
+        self.recorder: Recorder = RunRecorder(t.enabled and self.main, t.samples, t.max_mb, t.devices_every, self.seed)
 
     def build(self, with_engine: bool = True) -> Parts:
         import torch
@@ -101,7 +105,8 @@ class Loop:
         self.eval_params = SamplingParams(0.0, 1.0, 0, r.eval_max_new_tokens or r.max_new_tokens, stops)
         self.rollout_component = rollout = pm.create("rollouts", r.name, cfg.rollout_settings,
                                                       out_dir=cfg.run.out_dir)
-        self.rollouts = RolloutService(pm, rollout, engine, env, tokenizer, algorithm, self.console) \
+        self.rollouts = RolloutService(pm, rollout, engine, env, tokenizer, algorithm, self.console,
+                                       recorder=self.recorder) \
             if engine is not None else None
         ctx = ModeContext(cfg.mode_settings, r, self.rollouts, transport, [engine] if engine is not None else [],
                           list(env.tasks("train")), self.params, self.seed, algorithm.uses_rollout,
@@ -130,7 +135,7 @@ class Loop:
         self.mode.finish_push()
 
         def run() -> dict[str, float]:
-            with self.mode.lock_engines():
+            with self.mode.lock_engines(), self.recorder.span("eval"):
                 groups = self.rollouts.run(list(self.p.env.tasks("eval")), 1, self.eval_params)
             rewards = [g.samples[0].reward for g in groups]
             extra = self.rollouts.metrics([g.samples[0] for g in groups])  # e.g. a rollout's diversity
@@ -166,6 +171,7 @@ class Loop:
                 raise MilesError(f"miles_loss (plugin {who}) returned {type(custom).__name__} {custom!r:.80}; "
                                  f"it must return (loss tensor, metrics dict), or None to keep the algorithm's")
             loss, metrics = custom if custom is not None else algorithm.loss(batch, logprobs)
+            self.recorder.train_logprobs(batch.samples, logprobs)  # the sample browser's token pairs
             if batch.samples and batch.samples[0].logprobs:
                 diff = (logprobs.detach() - batch.rollout_logprobs).abs()
                 m = batch.loss_mask
@@ -231,12 +237,15 @@ class Loop:
         t0 = time.perf_counter()
         rng = random.Random(self.seed * 1_000_003 + step)
         params = replace(self.params, seed=rng.randrange(2**31))
-        groups, m = self.gather(lambda: self.mode.take(rng, params))  # tasks, rollout, rewards, filters
+        with self.recorder.span("rollout"):
+            groups, m = self.gather(lambda: self.mode.take(rng, params))  # tasks, rollout, rewards, filters
         t_train = time.perf_counter()
         if groups:
             advantages = [a for per_group in self.p.algorithm.advantages(groups) for a in per_group]
             samples = [s for g in groups for s in g.samples]
-            m.update(self.update(samples, advantages, self.p.algorithm, params.temperature))  # train
+            self.recorder.pick(step, samples, advantages)
+            with self.recorder.span("train"):
+                m.update(self.update(samples, advantages, self.p.algorithm, params.temperature))  # train
             m.update(self._after_update(t_train))  # a new weight version, pushed to the engines
         return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
 
@@ -253,7 +262,8 @@ class Loop:
         if self.rollouts is not None:
             for s in samples:
                 self.rollouts.score(s)
-        m = self.update(samples, [0.0] * n, algo)
+        with self.recorder.span("train"):
+            m = self.update(samples, [0.0] * n, algo)
         m.update(self._after_update(t0), reward_mean=sum(s.reward or 0.0 for s in samples) / n)
         return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
 
@@ -280,7 +290,8 @@ class Loop:
     def publish(self, wait: bool = True) -> dict[str, float]:
         """The trainer's weights become a new weight version, pushed to the engines (``sync``)."""
         self.version += 1
-        return self.sync(wait)
+        with self.recorder.span("weight_sync"):
+            return self.sync(wait)
 
     def stopping(self) -> bool:
         """Whether SIGINT/SIGTERM asked the run to stop (rank 0's answer, on every rank)."""
@@ -305,6 +316,7 @@ class Loop:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.main:
             return
+        metrics.update(self.recorder.step_end(step, metrics))
         for lg in self.loggers:
             lg.log(step, metrics)
         self.pm.hook.miles_on_step_end(step=step, metrics=metrics)
@@ -368,6 +380,9 @@ class Loop:
             runfolder.write_atomic(os.path.join(cfg.run.out_dir, "config.yaml"),
                                     yaml.safe_dump(cfg.resolved(), sort_keys=False))
         self.open_loggers()
+        c = self.p
+        self.recorder.open(cfg.run.out_dir, c.tokenizer,
+                           c.engine.engine_stats if isinstance(c.engine, EngineStats) else None)
         history = []
         try:
             if start == 0:
@@ -408,6 +423,7 @@ class Loop:
             self.mode.close()
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
+            self.recorder.close()
             for lg in self.loggers:
                 lg.close()
         return history

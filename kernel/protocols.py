@@ -459,7 +459,7 @@ class Recorder(Protocol):
     ``open(out_dir, tokenizer, engine_stats)``: start writing (``engine_stats()``: one reading per
     engine, see ``EngineStats``); ``span(name, **attrs)``: a context manager timing one span on
     the calling thread's lane (``rollout``, ``generate``, ``reward``, ``filter``, ``train``,
-    ``weight_sync``, ``eval``; ``generate`` carries ``tokens`` and ``engines``);
+    ``weight_sync``, ``eval``), whose value is a dict of attributes the block may fill in (``generate``: ``tokens``);
     ``pick(step, samples, advantages)``: the step's training samples, of which it keeps a few;
     ``train_logprobs(samples, logprobs)``: a (micro-)batch's training log-probs ``[B, R]``, row
     ``i`` of ``samples[i]``; ``step_end(step, metrics)``: the step is logged, returns metrics the

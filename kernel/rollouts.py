@@ -3,6 +3,7 @@ default rollout ``single_turn`` (one generation per sample). Other rollouts (``m
 plugins."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,8 +20,9 @@ class RolloutService:
     sample from training (``loss_mask`` zeroed, ``Status.FAILED``) and is reported once per source."""
 
     def __init__(self, pm: Any, rollout: Any, engine: Any, env: Any, tokenizer: Any, algorithm: Any,
-                 console: Callable[[str], None] = print) -> None:
+                 console: Callable[[str], None] = print, recorder: Any = None) -> None:
         self.pm, self.rollout, self.engine, self.env = pm, rollout, engine, env
+        self.recorder = recorder  # miles.protocols.Recorder: generate, reward and filter spans
         self.tokenizer, self.algorithm, self.console = tokenizer, algorithm, console
         # the plugin of the default rollout (single_turn) also gives miles_rollout's trylast default,
         # for callers outside a run; a run batches the tasks no hook claims into its own component
@@ -34,22 +36,30 @@ class RolloutService:
     def run(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
         out: dict[int, list[Sample]] = {}
         ctx = {"engine": self.engine, "env": self.env, "tokenizer": self.tokenizer, "params": params}
-        if self._custom is not None:
-            for i, task in enumerate(tasks):
-                samples = self._custom(task=task, n=n, **ctx)
-                if samples is not None:
-                    out[i] = samples
-        pending = [i for i in range(len(tasks)) if i not in out]
-        if pending:
-            out.update(zip(pending, self.rollout.generate([tasks[i] for i in pending], n, **ctx)))
+        with self._span("generate") as span:
+            if self._custom is not None:
+                for i, task in enumerate(tasks):
+                    samples = self._custom(task=task, n=n, **ctx)
+                    if samples is not None:
+                        out[i] = samples
+            pending = [i for i in range(len(tasks)) if i not in out]
+            if pending:
+                out.update(zip(pending, self.rollout.generate([tasks[i] for i in pending], n, **ctx)))
+            span["tokens"] = sum(len(s.response_ids) for ss in out.values() for s in ss)
         groups = [Group(t, out[i]) for i, t in enumerate(tasks)]
-        for sample in (s for g in groups for s in g.samples):
-            self.score(sample)
+        with self._span("reward"):
+            for sample in (s for g in groups for s in g.samples):
+                self.score(sample)
         return groups
+
+    def _span(self, name: str) -> Any:
+        """A timed span of the run's recorder; its value is a dict of attributes to fill in."""
+        return self.recorder.span(name) if self.recorder is not None else contextlib.nullcontext({})
 
     def keep(self, group: Group) -> bool:
         """The algorithm's own filter and every ``miles_filter`` (any ``False`` drops the group)."""
-        return self.algorithm.keep(group) and False not in self.pm.hook.miles_filter(group=group)
+        with self._span("filter"):
+            return self.algorithm.keep(group) and False not in self.pm.hook.miles_filter(group=group)
 
     def score(self, s: Sample) -> None:
         r, source = self.pm.hook.miles_reward(sample=s), None
