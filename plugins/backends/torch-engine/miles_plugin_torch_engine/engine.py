@@ -120,6 +120,15 @@ class TorchEngine(WeightReceiver):
         self._routing = RoutingLog.for_spec(spec, self.model)
         if self._routing is not None and self._fast is not None:
             raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
+        self._p2p: Any = None
+
+    def p2p_state(self) -> Any:
+        """What the ``p2p`` transport keeps on this engine between its calls (``p2p.P2PState``)."""
+        if self._p2p is None:
+            from .p2p import P2PState
+
+            self._p2p = P2PState()
+        return self._p2p
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -8,6 +8,11 @@ as SGLang and vLLM return them, so an agent framework can drive the policy while
 token-level data. Log-probs are the engine's own (under ``log_softmax(logits / T)``, what the
 trainer recomputes); ``top_logprobs`` come from one extra forward pass over prompt + completion.
 
+Limits (``limits.ServerLimits``) apply as on ``/generate``: text to tokenize, samples per
+request; large bodies are prepared off the event loop. A client's own chat template is refused
+unless the server trusts them (``trust_request_chat_template``, as vLLM's flag), and then renders
+in a separate process under time and memory budgets (``templates.py``).
+
 Streaming: the engine generates a whole completion in one call, so the SSE chunks (one per token,
 or one per tool-call reply) are sent when generation ends, not token by token as it runs.
 Stop strings are applied to the finished text (the engine stops on token ids only): the
@@ -29,10 +34,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from miles_tokens import decode_batch
 from pydantic import ValidationError
 
+from .limits import (Prep, PromptTooLarge, ServerBusy, ServerLimits, check_samples, check_text_size,
+                     check_token_ids)
 from .openai_protocol import ChatBody, CompletionBody, OpenAIError
 from .protocol import errors_text
 from .scheduler import Item, Request, Scheduler
+from .templates import TemplateRenderer
 from .tool_calls import parse_tool_calls
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")  # what HF hands a template
 
 
 @dataclass
@@ -49,9 +59,11 @@ class Choice:
     first: bool = True  # the first of its prompt's n choices (usage counts each prompt once)
 
 
-def mount_openai_routes(app: FastAPI, engine: Any, scheduler: Scheduler, *, model_dir: str) -> None:
+def mount_openai_routes(app: FastAPI, engine: Any, scheduler: Scheduler, *, model_dir: str,
+                        limits: ServerLimits | None = None, prep: Prep | None = None) -> None:
     """Add the ``/v1`` routes to ``app`` (``server.build_app``)."""
-    api = OpenAIRoutes(engine, scheduler, model_dir)
+    api = OpenAIRoutes(engine, scheduler, model_dir, limits or ServerLimits(), prep or Prep())
+    app.state.templates = api.templates  # server.serve stops its process
     app.get("/v1/models")(api.models)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
@@ -81,8 +93,11 @@ def top_alternatives(engine: Any, rows: list[tuple[list[int], list[int]]], tempe
 class OpenAIRoutes:
     """The handlers; ``model_dir`` names the one model served (its path, or its folder's name)."""
 
-    def __init__(self, engine: Any, scheduler: Scheduler, model_dir: str):
+    def __init__(self, engine: Any, scheduler: Scheduler, model_dir: str, limits: ServerLimits, prep: Prep):
         self.engine, self.scheduler, self.tokenizer = engine, scheduler, engine.tokenizer
+        self.limits, self.prep = limits, prep
+        self.templates = TemplateRenderer(limits.template_timeout_s, limits.template_memory_mb,
+                                          limits.template_max_chars, limits.max_prompt_chars)
         cfg = engine.model.config
         self.vocab = int(getattr(cfg, "vocab_size", 0) or 0)
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
@@ -98,14 +113,20 @@ class OpenAIRoutes:
 
     async def completions(self, request: HttpRequest):
         """OpenAI ``POST /v1/completions``."""
-        try:
-            body = CompletionBody.model_validate(await _json(request))
+        def prepare():
+            body = CompletionBody.model_validate(_json(raw))
             self._check_model(body.model)
+            if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
+                texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+                self._check_text(texts, "prompt")
+            self._check_request(body.num_prompts, body)
             prompts = body.prompts(self.tokenizer)
-            choices = await self._run(prompts, body, self._max_new(body.max_tokens, prompts, 16),
-                                      body.logprobs or 0, request)
-        except ValidationError as e:
-            return _error(OpenAIError(errors_text(e)))
+            return body, prompts, self._max_new(body.max_tokens, prompts, 16)
+
+        raw = await request.body()
+        try:
+            body, prompts, max_new = await self._prepare(len(raw), prepare)
+            choices = await self._run(prompts, body, max_new, body.logprobs or 0, request)
         except OpenAIError as e:
             return _error(e)
         rid, want_lp = f"cmpl-{uuid.uuid4().hex}", body.logprobs is not None
@@ -119,16 +140,21 @@ class OpenAIRoutes:
 
     async def chat(self, request: HttpRequest):
         """OpenAI ``POST /v1/chat/completions``, with Hermes-style tool calls (``tool_calls.py``)."""
-        try:
-            body = ChatBody.model_validate(await _json(request))
+        def prepare():
+            body = ChatBody.model_validate(_json(raw))
             self._check_model(body.model)
+            self._check_request(1, body)
             prompt = self._chat_prompt(body)
-            max_new = self._max_new(body.max_completion_tokens if body.max_completion_tokens is not None
-                                    else body.max_tokens, [prompt], None)
+            return body, prompt, self._max_new(body.max_completion_tokens if body.max_completion_tokens
+                                               is not None else body.max_tokens, [prompt], None)
+
+        raw = await request.body()
+        try:
+            # a client template renders in its own process: wait for it on a prep thread
+            size = len(raw) if b"chat_template" not in raw else len(raw) + 2**30
+            body, prompt, max_new = await self._prepare(size, prepare)
             choices = await self._run([prompt], body, max_new,
                                       (body.top_logprobs or 0) if body.logprobs else 0, request)
-        except ValidationError as e:
-            return _error(OpenAIError(errors_text(e)))
         except OpenAIError as e:
             return _error(e)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -143,27 +169,76 @@ class OpenAIRoutes:
                              "prompt_token_ids": choices[0].prompt if choices else []})
 
     # -- requests --------------------------------------------------------------------------------
+    async def _prepare(self, size: int, fn: Any) -> Any:
+        """``fn()`` through ``Prep`` (off the loop for large bodies), its errors as OpenAI's."""
+        try:
+            return await self.prep.run(size, fn)
+        except ValidationError as e:
+            raise OpenAIError(errors_text(e)) from None
+        except PromptTooLarge as e:
+            raise OpenAIError(str(e), 413, "prompt", "prompt_too_long") from None
+        except ServerBusy as e:
+            raise OpenAIError(str(e), 503) from None
+
+    def _check_text(self, texts: list[str], param: str) -> None:
+        try:
+            check_text_size(texts, self.limits.max_prompt_chars, param)
+        except PromptTooLarge as e:
+            raise OpenAIError(str(e), 413, param, "prompt_too_long") from None
+
+    def _check_request(self, prompts: int, body: Any) -> None:
+        """The limits a body breaks before any tokenizing: samples, stop token ids."""
+        try:
+            check_samples(prompts * (body.n or 1), self.limits.max_samples_per_request)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="n") from None
+        try:
+            check_token_ids(body.stop_token_ids or [], self.vocab, "stop_token_ids")
+        except ValueError as e:
+            raise OpenAIError(str(e), param="stop_token_ids") from None
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
             raise OpenAIError(f"The model '{model}' does not exist; this server serves '{self.model_id}' "
                               f"(GET /v1/models)", 404, "model", "model_not_found")
 
     def _chat_prompt(self, body: ChatBody) -> list[int]:
+        messages = body.template_messages()
+        self._check_text([m["content"] for m in messages if isinstance(m.get("content"), str)], "messages")
+        kwargs = dict(body.chat_template_kwargs or {})
+        source = kwargs.pop("chat_template", None) or body.chat_template
+        if source is not None:
+            text = self._client_template(source, messages, body, kwargs)
+        else:
+            text = self._model_template(messages, body, kwargs)
+        self._check_text([text], "messages")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _model_template(self, messages: list[dict], body: ChatBody, kwargs: dict) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError("this model's tokenizer has no chat template (chat_template.jinja or "
                               "tokenizer_config.json 'chat_template'), so messages cannot be formatted; "
                               "send a prompt to /v1/completions instead, or add a template to the "
                               "model folder", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                body.template_messages(), tools=body.tools or None, add_generation_prompt=True,
-                tokenize=False, **(body.chat_template_kwargs or {}))
-        except OpenAIError:
-            raise
+            return self.tokenizer.apply_chat_template(messages, tools=body.tools or None,
+                                                      add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as e:  # a template error is the request's (e.g. raise_exception)
             raise OpenAIError(f"messages: the chat template failed: {type(e).__name__}: {e}",
                               param="messages") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _client_template(self, source: Any, messages: list[dict], body: ChatBody, kwargs: dict) -> str:
+        if not self.limits.trust_request_chat_template:
+            raise OpenAIError("chat_template: this server does not render templates sent by clients "
+                              "(a template is a program); drop it to use the model's template, or start "
+                              "the server with trust_request_chat_template=true", param="chat_template")
+        special = {k: v for k in SPECIAL_TOKENS if isinstance(v := getattr(self.tokenizer, k, None), str)}
+        context = {**special, **kwargs, "messages": messages, "tools": body.tools or None,
+                   "add_generation_prompt": True}
+        try:
+            return self.templates.render(source, context)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="chat_template") from None
 
     def _max_new(self, asked: int | None, prompts: list[list[int]], default: int | None) -> int:
         """``max_tokens`` checked against the context (default: all of the room left)."""
@@ -193,7 +268,10 @@ class OpenAIRoutes:
         client that disconnects cancels its request, so the engine stops working on it."""
         from .server import until_done_or_disconnected
 
-        params, n = body.params(max_new), body.n or 1
+        try:
+            params, n = body.params(max_new), body.n or 1
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
         loop = asyncio.get_running_loop()
         req = Request(rid=uuid.uuid4().hex, loop=loop, future=loop.create_future(),
                       items=[Item(tuple(p), params, n) for p in prompts], seeded=params.seed is not None)
@@ -352,11 +430,13 @@ def _usage(choices: list[Choice]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _json(request: HttpRequest) -> dict:
+def _json(raw: bytes) -> dict:
     try:
-        data = json.loads(await request.body() or b"null")
+        data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(f"the request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise OpenAIError("the request body is JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise OpenAIError("the request body must be a JSON object")
     return data

@@ -9,13 +9,16 @@ a forced ``tool_choice``) is a 400 that names it, rather than an answer sampled 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 from miles import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                500: "server_error", 503: "server_error"}
+INT64 = (-(2**63), 2**63 - 1)
+TokenId = Annotated[int, Field(ge=0, le=INT64[1])]  # checked against the vocabulary later
 
 
 class OpenAIError(Exception):
@@ -40,15 +43,15 @@ class _Common(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])  # a torch.Generator seed (as vLLM bounds it)
     stream: bool | None = False
     stream_options: dict | None = None
     logit_bias: dict | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
-    top_k: int | None = None  # extension (vLLM, SGLang)
-    stop_token_ids: list[int] | None = None  # extension (vLLM, SGLang)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # extension (vLLM, SGLang)
+    stop_token_ids: list[TokenId] | None = None  # extension (vLLM, SGLang)
 
     @model_validator(mode="after")
     def _supported(self):
@@ -95,6 +98,11 @@ class CompletionBody(_Common):
             ("echo=true", not self.echo), ("suffix", self.suffix is None),
             ("best_of (other than n)", self.best_of in (None, self.n or 1))) if not ok]
 
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
+
     def prompts(self, tokenizer: Any) -> list[list[int]]:
         p = self.prompt
         if isinstance(p, str):
@@ -118,6 +126,7 @@ class ChatBody(_Common):
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None  # extension (vLLM): e.g. {"enable_thinking": false}
+    chat_template: str | None = None  # extension (vLLM): the client's own template (see templates.py)
 
     def _unsupported(self) -> list[str]:
         bad = []

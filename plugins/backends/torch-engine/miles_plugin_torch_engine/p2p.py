@@ -35,7 +35,9 @@ from miles import MilesError
 UCX_TLS = {"tcp": "tcp,self", "rdma": "rc,ud,self,sm,cuda_copy,cuda_ipc", "auto": None}
 
 
-class _P2PState:
+class P2PState:
+    """What the ``p2p`` transport keeps on one engine between calls (``TorchEngine.p2p_state``)."""
+
     def __init__(self):
         self.agent: Any = None
         self.name = ""
@@ -48,13 +50,6 @@ class _P2PState:
         self.staging: torch.Tensor | None = None
         self.session = ""
         self.kept: list[torch.Tensor] = []
-
-
-def _state(engine: Any) -> _P2PState:
-    st = engine.__dict__.get("_p2p_state")
-    if st is None:
-        st = engine.__dict__["_p2p_state"] = _P2PState()
-    return st
 
 
 def make_agent(name: str, transport: str, cuda: bool = False) -> Any:
@@ -85,7 +80,8 @@ def _nixl() -> Any:
 
 def p2p_open(engine: Any, tensors: Sequence[dict], transport: str = "tcp") -> dict:
     """Register destinations for ``tensors`` (see the module docstring)."""
-    st = _state(engine)
+    _check_tensors(tensors)
+    st = engine.p2p_state()
     dev = engine._param_device()  # CPU memory, or the GPU the parameters live on
     if st.agent is None:
         st.name = f"miles-engine-{os.getpid()}-{secrets.token_hex(4)}"
@@ -143,7 +139,14 @@ def p2p_open(engine: Any, tensors: Sequence[dict], transport: str = "tcp") -> di
 def p2p_commit(engine: Any, weight_version: Any = None, sessions: Sequence[str] | None = None) -> dict:
     """Copy staged tensors in and take ``weight_version``, if this engine took part (its session
     is in ``sessions``; None: whatever is open)."""
-    st = _state(engine)
+    if weight_version is not None and not (isinstance(weight_version, int) and not isinstance(weight_version, bool)
+                                           or isinstance(weight_version, str) and weight_version.isdigit()):
+        raise ValueError(f"weight_version: {str(weight_version)[:50]!r} is not a version number")
+    if sessions is not None and not (isinstance(sessions, list) and all(isinstance(s, str) for s in sessions)):
+        raise ValueError("sessions: give the list of session ids /p2p/open answered")
+    st = engine.p2p_state()
+    if st.key is None and sessions is None:
+        raise ValueError("nothing to commit: no p2p session is open on this engine (POST /p2p/open first)")
     if st.key is None or (sessions is not None and st.session not in sessions):
         return {"committed": False, "weight_version": engine.weight_version}
     if not all(p.data_ptr() == ptr for p, ptr in st.pinned):
@@ -157,7 +160,22 @@ def p2p_commit(engine: Any, weight_version: Any = None, sessions: Sequence[str] 
     return {"committed": True, "weight_version": engine.weight_version}
 
 
-def _release(st: _P2PState) -> None:
+def _check_tensors(tensors: Any) -> None:
+    """ValueError naming the first entry of ``tensors`` that is not ``{"name", "dtype", "shape"}``."""
+    if not isinstance(tensors, list) or not tensors:
+        raise ValueError('tensors: give a non-empty list of {"name", "dtype", "shape"}')
+    for i, t in enumerate(tensors):
+        shape = t.get("shape") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+                and isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 2**40 for d in shape)):
+            raise ValueError(f'tensors[{i}]: give {{"name": str, "dtype": str, "shape": [int, ...]}}')
+        try:
+            W.to_dtype(t["dtype"].removeprefix("torch."))
+        except Exception:  # noqa: BLE001 - any unknown dtype name
+            raise ValueError(f"tensors[{i}].dtype: {t['dtype'][:40]!r} is not a tensor dtype") from None
+
+
+def _release(st: P2PState) -> None:
     for reg in st.regs:
         try:
             st.agent.deregister_memory(reg)
@@ -171,10 +189,14 @@ def mount_p2p_routes(app: Any, engine: Any, scheduler: Any) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
+    from .engine import TorchEngine
     from .server import json_body
 
     def route(fn: Any):
         async def handler(request: Request):
+            if not isinstance(engine, TorchEngine):
+                return JSONResponse({"success": False, "message": "this engine does not receive p2p "
+                                     "weight transfers (the torch engine does)"}, status_code=400)
             try:
                 body = await json_body(request)
                 result = await scheduler.call(lambda: fn(engine, **body))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from miles import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,12 +21,12 @@ class SamplingBody(BaseModel):
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)
     min_p: float = 0.0
     max_new_tokens: int = Field(128, ge=0)
     min_new_tokens: int = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = None  # vocabulary: limits.py
     n: int = Field(1, ge=1)
     sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)  # a torch.Generator seed
     ignore_eos: bool = False

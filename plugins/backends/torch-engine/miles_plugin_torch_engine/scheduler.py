@@ -5,6 +5,10 @@ health probes) runs here, one at a time. Generation requests that arrive while t
 queue up and are run together as one batch: requests are grouped by sampling parameters and
 identical prompts are merged, so the samples of one prompt share its prefill (the engine prefills
 each distinct prompt once for all of its ``n`` samples).
+
+A batch takes at most ``admit_samples`` samples, shared max-min fairly among the queued requests
+(a request asking less than its share gets all it asks); a larger request runs over several
+batches. So a small request waits for one batch at most, never behind all of a huge one.
 """
 from __future__ import annotations
 
@@ -40,6 +44,25 @@ class Request:
     seeded: bool = False  # a seeded request is never merged with another one (its draws are its own)
     aborted: str | None = None
     cancelled: bool = False  # its client went away
+    unadmitted: list[int] = field(default_factory=list)  # per item: samples not yet in a batch
+
+    @property
+    def waiting_samples(self) -> int:
+        return sum(self.unadmitted)
+
+
+def fair_shares(wants: list[int], budget: int) -> list[int]:
+    """Max-min fair split of ``budget`` samples: the smallest wants are met in full, the rest
+    share what is left equally (one each, smallest first, when there are more wants than samples)."""
+    shares = [0] * len(wants)
+    order = sorted(range(len(wants)), key=lambda i: wants[i])
+    left = budget
+    for k, i in enumerate(order):
+        if left <= 0:
+            break
+        shares[i] = min(wants[i], max(left // (len(order) - k), 1))
+        left -= shares[i]
+    return shares
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any = None,
@@ -66,8 +89,10 @@ class Scheduler:
     does not wait behind a backlog; a paused scheduler keeps generation queued but still runs jobs.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, admit_samples: int | None = None):
         self.engine = engine
+        # one engine batch by default: what the engine decodes in one forward
+        self.admit_samples = admit_samples or int(getattr(getattr(engine, "cfg", None), "max_batch_size", 1024))
         self._cv = threading.Condition()
         self._pending: list[Request] = []
         self._running: list[Request] = []  # the batch on the engine now
@@ -91,6 +116,7 @@ class Scheduler:
                 request.aborted = "server is shutting down"
                 _resolve(request.loop, request.future, request)
                 return
+            request.unadmitted = [item.n for item in request.items]
             self._pending.append(request)
             self.stats["num_requests"] += 1
             self._cv.notify()
@@ -118,11 +144,15 @@ class Scheduler:
                 return
             request.cancelled = True
             self.stats["num_cancelled"] += 1
+            running = request in self._running  # a request split over batches may be both
             if request in self._pending:
                 self._pending.remove(request)
+                request.unadmitted = [0] * len(request.unadmitted)
                 self.stats["num_aborted"] += 1
-            elif (request in self._running and self._interrupt is not None
-                  and all(r.cancelled for r in self._running)):
+                if not running:
+                    return
+            if (running and self._interrupt is not None
+                    and all(r.cancelled for r in self._running)):
                 self._interrupt.set()
                 self.stats["num_aborted"] += len(self._running)
             elif self._dropped is not None:  # its prompts leave the engine call if no live request shares them
@@ -189,13 +219,13 @@ class Scheduler:
                 if self._stopped:
                     return
                 job = self._jobs.popleft() if self._jobs else None
-                batch: list[Request] = []
+                batch: list[tuple[Item, Item, Request]] = []
                 if job is None:
-                    batch, self._pending = self._pending, []
-                    self._running = batch
+                    batch = self._admit()
+                    self._running = list({id(r): r for _, _, r in batch}.values())
                     if self._interrupt is not None:
                         self._interrupt.clear()
-                    self.stats["num_running"] = len(batch)
+                    self.stats["num_running"] = len(self._running)
             if job is not None:
                 fn, loop, future = job
                 try:
@@ -209,10 +239,32 @@ class Scheduler:
                     with self._cv:
                         self._running = []
 
-    def _run_batch(self, batch: list[Request]) -> None:
+    def _admit(self) -> list[tuple[Item, Item, Request]]:
+        """The next batch as (piece, item, request): fair shares of ``admit_samples`` (see the
+        module docstring); a seeded request is admitted whole, as splitting would change its
+        draws. Requests with samples left stay queued, in their place. Called under the lock."""
+        wants = [r.waiting_samples for r in self._pending]
+        shares = fair_shares(wants, self.admit_samples)
+        batch = []
+        for r, share in zip(self._pending, shares):
+            if r.seeded and share:
+                share = r.waiting_samples
+            for i, item in enumerate(r.items):
+                k = min(r.unadmitted[i], share)
+                if k <= 0:
+                    continue
+                r.unadmitted[i] -= k
+                share -= k
+                whole = k == item.n
+                batch.append((item if whole else Item(item.prompt, item.params, k), item, r))
+        self._pending = [r for r in self._pending if r.waiting_samples]
+        return batch
+
+    def _run_batch(self, pieces: list[tuple[Item, Item, Request]]) -> None:
         self.stats["num_batches"] += 1
+        batch = list({id(r): r for _, _, r in pieces}.values())
         failed: dict[int, BaseException] = {}
-        for params, items in self._by_params(batch):
+        for params, items in self._by_params(pieces):
             # requests whose client left while an earlier group ran: no engine call for them
             items = [(item, owner) for item, owner in items if not owner.cancelled]
             if not items:
@@ -223,25 +275,29 @@ class Scheduler:
                 for _item, owner in items:
                     failed[id(owner)] = e
         self.stats["num_running"] = 0
+        for piece, item, r in pieces:
+            if piece is not item:
+                item.completions.extend(piece.completions)
+            if r.cancelled:  # what a disconnect cost
+                self.stats["cancelled_tokens"] += sum(len(c.token_ids) for c in piece.completions)
         for r in batch:
-            if r.cancelled:
-                self.stats["cancelled_tokens"] += sum(len(c.token_ids) for item in r.items
-                                                      for c in item.completions)
             if id(r) in failed:
+                with self._cv:
+                    if r in self._pending:  # its other samples will not be needed
+                        self._pending.remove(r)
                 _resolve(r.loop, r.future, error=failed[id(r)])
-            else:
+            elif not r.waiting_samples:
                 _resolve(r.loop, r.future, r)
 
     @staticmethod
-    def _by_params(batch: list[Request]):
-        """(params, [(item, request)]) per distinct sampling setting; seeded requests alone."""
+    def _by_params(pieces: list[tuple[Item, Item, Request]]):
+        """(params, [(piece, request)]) per distinct sampling setting; seeded requests alone."""
         groups: dict[Any, tuple[SamplingParams, list]] = {}
-        for r in batch:
-            for item in r.items:
-                p = item.params
-                key = (id(r) if r.seeded else None, p.temperature, p.top_p, p.top_k,
-                       p.max_new_tokens, tuple(p.stop_token_ids), p.seed)
-                groups.setdefault(key, (p, []))[1].append((item, r))
+        for piece, _item, r in pieces:
+            p = piece.params
+            key = (id(r) if r.seeded else None, p.temperature, p.top_p, p.top_k,
+                   p.max_new_tokens, tuple(p.stop_token_ids), p.seed)
+            groups.setdefault(key, (p, []))[1].append((piece, r))
         return list(groups.values())
 
     def _generate(self, params: SamplingParams, items: list[tuple[Item, Request]]) -> None:

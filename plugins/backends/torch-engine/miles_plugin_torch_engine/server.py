@@ -4,15 +4,15 @@ Routes, payloads and responses follow SGLang's ``python/sglang/srt/entrypoints/h
 and the request structs of ``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``,
 ``AbortReq``, ``UpdateWeightFromDiskReqInput``, ``InitWeightsUpdateGroupReqInput``, ...), so a
 client written for SGLang (our ``sglang`` engine plugin, Miles' rollout) drives it unchanged.
-Every engine call goes through one thread (``scheduler.Scheduler``); the event loop only parses,
-queues and answers, so slow calls (a collective weight update waiting for the trainer) never
-block the other endpoints.
+Every engine call goes through one thread (``scheduler.Scheduler``); the event loop only queues
+and answers (large bodies are parsed and tokenized on ``limits.Prep``'s threads), so slow calls
+(a collective weight update waiting for the trainer, a 1 MB prompt) never block the other
+endpoints. What one request may ask is bounded by ``limits.ServerLimits``.
 """
 from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
 import inspect
 import json
 import os
@@ -28,8 +28,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from miles import MilesError, SamplingParams
 from pydantic import ValidationError
 
-from .guard import DEFAULT_MAX_BODY_MB, Guard
-from .limits import GROUP_JOIN_TIMEOUT_S, GroupJoins, check_disk_path, check_prompts, server_settings
+from .groups import GroupJoins, JoinBusy, check_join_args
+from .guard import Guard
+from .limits import (Prep, PromptTooLarge, ServerBusy, ServerLimits, check_disk_path, check_prompts,
+                     check_text_size, server_settings)
 from .protocol import GenerateBody, errors_text
 from .routing import encode_routed, routed_of, with_routing
 from .scheduler import Item, Request, Scheduler
@@ -82,6 +84,10 @@ class FolderSpec:
 def _error(message: str, status: int = 400):
     """SGLang's error body (``http_server.py: _create_error_response``)."""
     return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _busy(message: str):
+    return JSONResponse({"error": {"message": message}}, status_code=503, headers={"Retry-After": "1"})
 
 
 def _finish_reason(reason: str, tokens: list[int], abort_message: str | None) -> dict:
@@ -156,7 +162,11 @@ def _weight_response(route: str, result: Any) -> dict:
 
 async def json_body(request: HttpRequest) -> dict:
     """The request's JSON object ({} for an empty body)."""
-    raw = await request.body()
+    return parse_json(await request.body())
+
+
+def parse_json(raw: bytes) -> dict:
+    """``raw`` as a JSON object ({} for an empty body); ValueError saying what is wrong."""
     if not raw.strip():
         return {}
     try:
@@ -171,64 +181,81 @@ async def json_body(request: HttpRequest) -> dict:
 
 
 def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str | None = None,
-              settings: dict | None = None, max_body_mb: float = DEFAULT_MAX_BODY_MB,
-              weights_dirs: list[str] | None = None,
-              group_join_timeout_s: float = GROUP_JOIN_TIMEOUT_S) -> FastAPI:
+              settings: dict | None = None, **limits: Any) -> FastAPI:
     """The FastAPI application (SGLang's native routes we support; see the module docstring).
-    ``weights_dirs``: the only folders ``/update_weights_from_disk`` may read (None: any)."""
+    ``limits``: ``ServerLimits`` fields (e.g. ``weights_dirs``, the only folders
+    ``/update_weights_from_disk`` may read)."""
+    lim = ServerLimits(**limits)
+    if api_key is not None:
+        check_api_key(api_key)
+    if lim.admit_samples is not None:
+        scheduler.admit_samples = lim.admit_samples
     app = FastAPI(title="miles serve", openapi_url=None)
-    if api_key:
-        _require_key(app, api_key)
-    groups = GroupJoins(group_join_timeout_s)
-    _generate_route(app, engine, scheduler)
+    app.state.prep = prep = Prep()
+    groups = GroupJoins(lim.group_join_timeout_s, lim.group_connect_timeout_s)
+    _generate_route(app, engine, scheduler, lim, prep)
     _control_routes(app, engine, scheduler, groups)
     _info_routes(app, engine, scheduler, model_dir, settings or {})
     for route, method in WEIGHT_ROUTES.items():
-        app.post(f"/{route}")(_weight_handler(engine, scheduler, route, method, groups, weights_dirs))
+        app.post(f"/{route}")(_weight_handler(engine, scheduler, route, method, groups, lim.weights_dirs))
     from .openai_api import mount_openai_routes
 
-    mount_openai_routes(app, engine, scheduler, model_dir=model_dir)  # /v1/models, /v1/*completions
+    # /v1/models, /v1/completions, /v1/chat/completions
+    mount_openai_routes(app, engine, scheduler, model_dir=model_dir, limits=lim, prep=prep)
     from .p2p import mount_p2p_routes
 
     mount_p2p_routes(app, engine, scheduler)  # /p2p/open, /p2p/commit (NIXL imported on first use)
-    app.add_middleware(Guard, max_body_bytes=int(max_body_mb * 2**20))  # outermost: sees every body
+    # outermost: checks the key before reading any body, then sees every body
+    app.add_middleware(Guard, max_body_bytes=int(lim.max_body_mb * 2**20), api_key=api_key,
+                       body_timeout_s=lim.body_timeout_s)
     return app
 
 
-def _require_key(app: FastAPI, api_key: str) -> None:
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def require_key(request: HttpRequest, call_next):
-        # Stricter than SGLang's add_api_key_middleware (utils/common.py), which lets /health*
-        # through: here every route needs the key, health probes included.
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        return await call_next(request)
+def check_api_key(api_key: str) -> None:
+    """A key clients can send: visible ASCII, no surrounding blanks (HTTP strips those from a
+    header, so a blank key would refuse every request)."""
+    if not api_key.strip():
+        raise MilesError("--api-key is blank: give a non-empty key (or leave --api-key out on 127.0.0.1)")
+    if api_key != api_key.strip() or not all(33 <= ord(c) < 127 for c in api_key):
+        raise MilesError("--api-key: use printable ASCII without spaces (clients send it in an HTTP "
+                         "header, which cannot carry the rest)")
 
 
-def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler) -> None:
+def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler, lim: ServerLimits, prep: Prep) -> None:
     vocab = int(getattr(engine.model.config, "vocab_size", 0) or 0)
     context = int(getattr(engine.model.config, "max_position_embeddings", 0) or 0)
     tokenizer = engine.tokenizer
+
+    def prepare(raw: bytes):
+        """Parse, check and tokenize a body (on the loop or ``prep``'s threads: see ``Prep``)."""
+        body = GenerateBody.model_validate(parse_json(raw))
+        if body.text is not None:
+            check_text_size([body.text] if isinstance(body.text, str) else body.text,
+                            lim.max_prompt_chars, "text")
+        prompts = body.prompts(tokenizer)
+        params = body.sampling(len(prompts))
+        params = check_prompts(prompts, params, vocab, context, body.explicit_lengths(len(prompts)),
+                               lim.max_samples_per_request)
+        if body.return_routed_experts and getattr(engine, "_routing", None) is None:
+            raise ValueError("return_routed_experts: this server's model does not record routing "
+                             "(it needs a mixture-of-experts model and the moe plugin installed)")
+        return body, prompts, params
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: HttpRequest):
         """SGLang ``POST /generate`` (``GenerateReqInput``), non-streaming, token ids in/out."""
         started = time.monotonic()
+        raw = await request.body()
         try:
-            body = GenerateBody.model_validate(await json_body(request))
-            prompts = body.prompts(tokenizer)
-            params = body.sampling(len(prompts))
-            params = check_prompts(prompts, params, vocab, context, body.explicit_lengths(len(prompts)))
-            if body.return_routed_experts and getattr(engine, "_routing", None) is None:
-                raise ValueError("return_routed_experts: this server's model does not record routing "
-                                 "(it needs a mixture-of-experts model and the moe plugin installed)")
+            body, prompts, params = await prep.run(len(raw), lambda: prepare(raw))
         except ValidationError as e:
             return _error(errors_text(e))
+        except PromptTooLarge as e:
+            return _error(str(e), 413)
         except ValueError as e:
             return _error(str(e))
+        except ServerBusy as e:
+            return _busy(str(e))
         loop = asyncio.get_running_loop()
         req = Request(rid=body.request_id(), loop=loop, future=loop.create_future(),
                       items=[Item(tuple(p), sp, sp_n) for p, (sp, sp_n) in zip(prompts, params)],
@@ -366,6 +393,8 @@ def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str, 
             kwargs = _accepted_kwargs(fn, await json_body(request), route)
             if route == "update_weights_from_disk":
                 check_disk_path(kwargs.get("model_path"), weights_dirs)
+            if route == "init_weights_update_group":
+                check_join_args(kwargs)
         except (ValueError, MilesError) as e:
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
         try:
@@ -373,6 +402,8 @@ def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str, 
                 result = await groups.join(fn, kwargs)
             else:
                 result = await scheduler.call(lambda: fn(**kwargs))
+        except JoinBusy as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=409)
         except Exception as e:  # noqa: BLE001 - reported to the client as SGLang does
             return JSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"},
                                 status_code=400)
@@ -415,10 +446,13 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
 
     from .config import TorchEngineConfig
 
-    api_key = api_key or os.environ.get("MILES_API_KEY", "").strip() or None
+    if api_key is None:
+        api_key = os.environ.get("MILES_API_KEY", "").strip() or None
+    if api_key is not None:
+        check_api_key(api_key)
     check_bind(host, api_key)
     settings = dict(settings or {})
-    server_opts = server_settings(settings, host)  # max_body_mb, weights_dir: not engine settings
+    server_opts = server_settings(settings, host)  # ServerLimits' keys: not engine settings
     if not (Path(model_dir) / "config.json").is_file():
         raise MilesError(f"{model_dir} is not a Hugging Face model folder (no config.json); "
                          f"write one with `miles export RUN_DIR --to FOLDER`")
@@ -443,6 +477,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
         asyncio.run(_run_uvicorn(app, sock, host, scheduler))
     finally:
         scheduler.stop()
+        app.state.prep.close()
         sock.close()
     return 0
 

@@ -6,7 +6,7 @@ import threading
 import httpx
 import pytest
 import torch
-from miles.testing import TinySpec, char_tokenizer
+from miles.testing import TinySpec, char_tokenizer, listening_port
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine
@@ -126,7 +126,7 @@ def test_weight_calls_run_on_the_engine_thread_without_blocking_the_server():
     app, sched = serve_app(eng)
 
     async def main():
-        body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                 "group_name": "g", "backend": "gloo"}
         pending = asyncio.create_task(call(app, "POST", "/init_weights_update_group", json=body))
         await asyncio.sleep(0.2)
@@ -136,7 +136,8 @@ def test_weight_calls_run_on_the_engine_thread_without_blocking_the_server():
         eng.release.set()
         return health, version, await pending
 
-    health, version, done = run(main())
+    with listening_port() as port:  # the trainer's store
+        health, version, done = run(main())
     assert health.status_code == 200 and version.json() == {"weight_version": 0}
     assert done.json() == {"success": True, "message": "ok"}
     r = run(call(app, "POST", "/weights_checksum", json={"names": ["w"]}))

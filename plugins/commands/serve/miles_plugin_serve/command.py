@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
 def api_key(args: argparse.Namespace) -> str | None:
     """The key from --api-key, else --api-key-file, else $MILES_API_KEY (a file or the environment
     keeps it out of ``ps``)."""
-    if args.api_key:
+    if args.api_key is not None:
+        if not args.api_key.strip():  # HTTP strips a header's blanks: every request would get a 401
+            raise MilesError("--api-key is blank: give a non-empty key (or leave --api-key out on 127.0.0.1)")
         return args.api_key
     if args.api_key_file:
         try:

@@ -31,3 +31,10 @@ def test_the_key_comes_from_flag_file_or_environment(tmp_path, monkeypatch):
     (tmp_path / "empty").write_text("  \n")
     with pytest.raises(MilesError, match="is empty"):
         api_key(_args("--api-key-file", str(tmp_path / "empty")))
+
+
+def test_a_blank_key_is_refused(monkeypatch):
+    monkeypatch.delenv("MILES_API_KEY", raising=False)
+    for blank in (" ", "", "\t"):
+        with pytest.raises(MilesError, match="--api-key is blank"):
+            api_key(_args("--api-key", blank))
