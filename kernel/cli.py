@@ -50,6 +50,12 @@ def _checked(pm: Any) -> Any:
             if pm.origins.get(impl.plugin_name) == impl.plugin_name:  # --plugin or plugins: entry
                 raise PluginError(text)
             print(f"miles: warning: {text}", file=sys.stderr)
+    for name, plugin in pm.list_name_plugin():  # a hook function without @hookimpl is never called
+        for attr, fn in sorted(vars(plugin).items()) if hasattr(plugin, "__dict__") else ():
+            if attr in hooks and callable(fn) and not hasattr(fn, "miles_impl") \
+                    and getattr(fn, "__module__", None) == getattr(plugin, "__name__", None):
+                print(f"miles: warning: plugin {pm.describe(plugin)} defines {attr} without @hookimpl, so "
+                      f"miles never calls it; decorate it with @miles.hookimpl", file=sys.stderr)
     return pm
 
 

@@ -6,6 +6,8 @@ Kernel sections (``run``, ``rollout``) have schemas here; a section that selects
 """
 from __future__ import annotations
 
+import enum
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .configfile import MAX_BYTES, YAMLLimitError, load_text
 from .errors import ConfigError
 from .plugins import SECTION_ALIASES, SECTION_KINDS, MilesPluginManager, canonical
 
@@ -28,11 +31,19 @@ def read_yaml(path: str) -> dict[str, Any]:
     ``ConfigError`` naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError([f"file {path} does not exist"], source=str(path))
+        what = "is a folder" if p.is_dir() else "is not a regular file" if p.exists() else "does not exist"
+        raise ConfigError([f"file {path} {what}; pass a YAML config file"], source=str(path))
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        if p.stat().st_size > MAX_BYTES:
+            raise YAMLLimitError(f"is {p.stat().st_size >> 20} MiB; a config file holds at most "
+                                 f"{MAX_BYTES >> 20} MiB")
+        data = load_text(p.read_text()) or {}
+    except YAMLLimitError as e:
+        raise ConfigError([str(e)], source=str(path)) from None
     except yaml.YAMLError as e:
         raise ConfigError([f"not valid YAML: {e}"], source=str(path)) from None
+    except OSError as e:
+        raise ConfigError([f"cannot be read: {e.strerror}"], source=str(path)) from None
     if not isinstance(data, dict):
         raise ConfigError(["the top level must be a mapping of sections"], source=str(path))
     return data
@@ -55,28 +66,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if parts[0] in SECTION_ALIASES:
             _notice(parts[0])
             parts[0] = SECTION_ALIASES[parts[0]]
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             if not isinstance(node.setdefault(part, {}), dict):
-                node[part] = {}
+                where = ".".join(parts[:i + 1])
+                problems.append(f"{key}: {where} is {node[part]!r}, not a mapping, so it has no key "
+                                f"{parts[i + 1]!r}; drop one of the two settings")
+                break
             node = node[part]
-        node[parts[-1]] = _scalar(value)
+        else:
+            try:
+                node[parts[-1]] = _scalar(value)
+            except YAMLLimitError as e:
+                problems.append(f"{key}: the value {e}")
     if problems:
         raise ConfigError(problems, source="command line")
     return data
 
 
 def _scalar(text: str) -> Any:
-    """YAML parsing of an override value, plus the floats YAML 1.1 leaves as strings (2e-3)."""
+    """An override value parsed as YAML (``ConfigLoader``: 2e-3 is a float); text that is no YAML
+    stays text."""
     try:
-        value = yaml.safe_load(text)
+        return load_text(text)
+    except YAMLLimitError:
+        raise
     except yaml.YAMLError:
         return text
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
 
 
 def validate_settings(model: type[BaseModel] | None, prefix: str, raw: dict, problems: list[str]) -> Any:
@@ -86,11 +101,25 @@ def validate_settings(model: type[BaseModel] | None, prefix: str, raw: dict, pro
         if raw:
             problems.append(f"{prefix}: takes no settings; unknown keys: {', '.join(raw)}")
         return None
-    try:
-        return model.model_validate(raw)
+    try:  # strict: true is no 1, "3" no 3; JSON mode still reads lists as tuples, text as paths/enums
+        return model.model_validate_json(json.dumps(raw, default=_jsonable, allow_nan=True), strict=True)
     except ValidationError as e:
         problems.extend(pydantic_problems(prefix, e, model))
         return None
+
+
+def _jsonable(value: Any) -> Any:
+    """JSON for the values YAML or a dumped schema may hold besides JSON's own (dates, sets,
+    enums, paths, nested schemas)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
 
 
 def section_mapping(data: dict[str, Any], section: str, problems: list[str]) -> dict[str, Any]:
@@ -162,7 +191,8 @@ class TelemetryConfig(Strict):
 class RunConfig(Strict):
     steps: int = Field(100, ge=0, description="training steps of the run")
     out_dir: str = Field("runs/default", description="run folder: metrics.jsonl, checkpoints, config")
-    seed: int = Field(0, description="seed for data order, sampling and initialisation")
+    seed: int = Field(0, ge=0, lt=2**32, description="seed for data order, sampling and initialisation "
+                      "(0 to 2**32-1, the range every library's generator takes)")
     checkpoint_every: int = Field(20, gt=0, description="steps between checkpoints (the last step always)")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept on disk")
     eval_every: int = Field(10, gt=0, description="steps between evaluations (step 0 and the last always)")
@@ -327,6 +357,8 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
     rollout, rollout_settings, mode_settings = _rollout_section(pm, data, run, problems)
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
     _default_launcher(pm, data, components, problems)
+    if rollout is not None:
+        problems += _memory_problems(rollout)
     if run is not None and rollout is not None and rollout.true_on_policy and run.mode != "sync":
         problems.append("rollout.true_on_policy: needs run.mode sync (async rollouts come from older weights)")
     if run is not None and run.warm_start is not None:  # its trainer settings: the phase's plugin checks them
@@ -351,10 +383,59 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
     if problems:
         raise ConfigError(problems, source=source)
     cfg = Config(run, rollout, components, rollout_settings, mode_settings, loggers, plugins, data)
-    problems = [p for found in pm.hook.miles_validate_config(config=cfg, pm=pm) for p in found or ()]
+    problems = _plugin_problems(pm, cfg)
     if problems:
         raise ConfigError(problems, source=source)
     return cfg
+
+
+SAMPLE_BYTES, TOKEN_BYTES = 1024, 64  # a Sample's fields, and per token its id, log-prob and mask
+
+
+def _memory_problems(rollout: RolloutConfig) -> list[str]:
+    """A step's samples must fit in the host's available memory: a lower bound (the Python objects
+    alone, before any engine cache), so a typo such as rollout.n=1000000000 is refused up front
+    instead of dying in an allocation."""
+    samples = rollout.batch_size * rollout.n
+    need = samples * (SAMPLE_BYTES + TOKEN_BYTES * rollout.max_new_tokens)
+    free = available_memory()
+    if free is None or need <= free:
+        return []
+    return [f"rollout: batch_size {rollout.batch_size} x n {rollout.n} = {samples:,} samples a step of up to "
+            f"{rollout.max_new_tokens} tokens need at least {need / 2**30:,.1f} GiB of memory; this host has "
+            f"{free / 2**30:,.1f} GiB available: lower rollout.batch_size, rollout.n or rollout.max_new_tokens"]
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _plugin_problems(pm: MilesPluginManager, cfg: Config) -> list[str]:
+    """The problems ``miles_validate_config`` implementations find: each returns a list of strings
+    (one string is one problem); any other answer is itself a problem naming the plugin."""
+    problems: list[str] = []
+    hook = pm.hook.miles_validate_config
+    for answer in hook(config=cfg, pm=pm):
+        if isinstance(answer, str):
+            problems.append(answer)
+        elif isinstance(answer, (list, tuple)) and all(isinstance(p, str) for p in answer):
+            problems += answer
+        else:  # which plugin said it: asked one by one, on this rare path only
+            impls = [i for i in hook.get_hookimpls() if not (i.wrapper or i.hookwrapper)]
+            args = {"config": cfg, "pm": pm}
+            who = [pm.describe(i.plugin) for i in impls if i.function(*[args[a] for a in i.argnames]) == answer]
+            problems.append(f"plugins: miles_validate_config of plugin {', '.join(who) or '?'} returned "
+                            f"{type(answer).__name__} {answer!r:.60}; it must return a list of problem "
+                            f"strings (or None: no problems)")
+    return problems
 
 
 def _default_launcher(pm: MilesPluginManager, data: dict[str, Any], components: dict[str, Any],

@@ -5,11 +5,20 @@ from miles.config import apply_overrides, read_yaml
 
 def test_overrides_parse_values_as_yaml_and_make_sections(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("run: {steps: 3}\ntrainer: 5\n")
+    f.write_text("run: {steps: 3}\ntrainer: {}\n")
     data = apply_overrides(read_yaml(str(f)), ["run.steps=7", "trainer.lr=2e-3", "run.warm_start=null",
                                                "rollout.stop=[1, 2]", "env.name=arith"])
     assert data == {"run": {"steps": 7, "warm_start": None}, "trainer": {"lr": 0.002},
                     "rollout": {"stop": [1, 2]}, "env": {"name": "arith"}}
+
+
+def test_an_override_never_replaces_a_value_that_is_not_a_mapping(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer: 5\n")
+    with pytest.raises(ConfigError, match=r"trainer.lr: trainer is 5, not a mapping"):
+        apply_overrides(read_yaml(str(f)), ["trainer.lr=2e-3"])
+    with pytest.raises(ConfigError, match=r"run.steps: run is 5, not a mapping"):
+        apply_overrides({}, ["run=5", "run.steps=1"])
 
 
 def test_bad_files_and_overrides_are_config_errors_that_name_them(tmp_path):
