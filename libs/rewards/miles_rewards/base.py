@@ -26,10 +26,12 @@ class RewardConfigError(ValueError):
 class RewardResult:
     """``score``: the reward (a finite float; 1.0 is fully correct). ``metrics``: this call's own
     figures, the same keys on every call of a reward (e.g. ``math_extract_failed`` 0.0 or 1.0),
-    which ``mean_metrics`` averages over a step's samples."""
+    which ``mean_metrics`` averages over a step's samples. ``answer``: the final answer the reward
+    read, canonical so equal answers compare equal (majority voting), or None when none was found."""
 
     score: float
     metrics: dict[str, float] = field(default_factory=dict)
+    answer: str | None = None
 
 
 @runtime_checkable

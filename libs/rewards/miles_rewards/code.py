@@ -103,7 +103,7 @@ class CodeReward:
         total, run = len(tests), tests[:self.cfg.max_tests]
         passed, timed_out = self._asserts(code, setup, run) if kind == "asserts" else self._io(code, run)
         return RewardResult(passed / total, {"code_no_block": float(not fenced), "code_timeouts": float(timed_out),
-                                             "code_all_passed": float(passed == total)})
+                                             "code_all_passed": float(passed == total)}, code or None)
 
     def _asserts(self, code: str, setup: str, tests: list[str]) -> tuple[int, bool]:
         from miles_sandbox import run_python

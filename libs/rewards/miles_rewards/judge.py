@@ -86,7 +86,7 @@ class JudgeReward:
         metrics["judge_parse_failures"] = float(reply is not None and score is None)
         self._record(reply is not None)
         metrics["judge_seconds"] = time.monotonic() - t0
-        return RewardResult(self.cfg.failure_score if score is None else score, metrics)
+        return RewardResult(self.cfg.failure_score if score is None else score, metrics, response.strip() or None)
 
     def _record(self, ok: bool) -> None:
         with self._lock:

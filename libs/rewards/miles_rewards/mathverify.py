@@ -22,6 +22,14 @@ def _after_hashes(text: str) -> str:
     return tail.splitlines()[0] if tail else text
 
 
+def _canonical(value: Any) -> str:
+    """A parsed answer as text for majority voting: numbers by value (0.5 and 1/2 alike)."""
+    try:
+        return format(float(value), ".6g")
+    except (TypeError, ValueError):
+        return str(value)
+
+
 class MathReward:
     """1 when the response's final answer equals the label's (symbolic equivalence: ``0.5`` equals
     ``\\frac{1}{2}``, ``1,234`` equals ``1234``)."""
@@ -60,4 +68,5 @@ class MathReward:
         got = self.parse(response)
         ok = bool(gold and got) and self._mv.verify(gold, got, float_rounding=self.cfg.float_rounding,
                                                     timeout_seconds=self._timeout())
-        return RewardResult(float(ok), {"math_extract_failed": float(not got), "math_label_failed": float(not gold)})
+        return RewardResult(float(ok), {"math_extract_failed": float(not got), "math_label_failed": float(not gold)},
+                            _canonical(got[0]) if got else None)

@@ -48,7 +48,7 @@ class ExactReward:
                  prompt: Any = None) -> RewardResult:
         got = self.norm(response)
         ok = bool(got) and got in {self.norm(a) for a in answers(label)}
-        return RewardResult(float(ok), {"exact_empty": float(not got)})
+        return RewardResult(float(ok), {"exact_empty": float(not got)}, got or None)
 
 
 class ChoiceReward:
@@ -91,7 +91,7 @@ class ChoiceReward:
                  prompt: Any = None) -> RewardResult:
         got = self.letter(response)
         return RewardResult(float(got is not None and got == self.gold(label)),
-                            {"choice_extract_failed": float(got is None)})
+                            {"choice_extract_failed": float(got is None)}, got)
 
 
 class RegexReward:
@@ -131,7 +131,8 @@ class RegexReward:
             fmt = self.format.fullmatch(response.strip()) is not None
             metrics["regex_format_ok"] = float(fmt)
             score = (1 - w) * score + w * float(fmt)
-        return RewardResult(score, metrics)
+        answer = None if got is None else normalize(got, self.cfg.case_sensitive, ignore_punctuation=False)
+        return RewardResult(score, metrics, answer)
 
 
 def _compile(pattern: str | None, key: str, flags: int) -> re.Pattern:

@@ -51,3 +51,8 @@ def test_works_off_the_main_thread(math):
     t.start()
     t.join(60)
     assert out and out[0].score == 1.0
+
+
+def test_answers_are_canonical_for_majority_voting(math):
+    assert math("\\boxed{\\frac{1}{2}}", "1").answer == math("so 0.5", "1").answer == "0.5"
+    assert math("I cannot solve this.", "1").answer is None
