@@ -160,22 +160,6 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class WarmStartConfig(Strict):
-    """Supervised warm start on ``env.demonstrations()`` before RL, run to convergence: it stops
-    when eval accuracy has not improved by ``min_delta`` for ``patience`` evaluations. A plugin's
-    ``miles_warm_start`` runs it (``miles-plugin-sft``); the schema is the kernel's, for every run."""
-
-    max_steps: int = Field(2000, gt=0, description="upper bound on supervised steps")
-    min_steps: int = Field(0, ge=0, description="no early stop before this many steps")
-    batch_size: int = Field(256, gt=0, description="demonstrations per step")
-    eval_every: int = Field(50, gt=0, description="supervised steps between evaluations")
-    patience: int = Field(4, gt=0, description="evaluations without improvement before stopping")
-    min_delta: float = Field(0.005, ge=0, description="improvement that resets patience")
-    algorithm: str = Field("sft", description="registered algorithm used for the warm start")
-    trainer: dict[str, Any] = Field(default_factory=dict,
-                                    description="trainer settings overridden during the warm start")
-
-
 class TelemetryConfig(Strict):
     """``run.telemetry``: what a run records in ``RUN/telemetry`` for ``miles dashboard``."""
 
@@ -197,7 +181,8 @@ class RunConfig(Strict):
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept on disk")
     eval_every: int = Field(10, gt=0, description="steps between evaluations (step 0 and the last always)")
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's choice)")
-    warm_start: WarmStartConfig | None = Field(None, description="optional supervised warm start")
+    warm_start: dict[str, Any] | None = Field(None, description="optional supervised warm start before RL; "
+                                              "its keys are the schema of the plugin that runs it (miles-plugin-sft)")
     max_nonfinite_steps: int = Field(3, gt=0, description="consecutive steps with a NaN/inf loss "
                                      "(each skipped by the trainer) that end the run")
     mode: str = Field("sync", description="a registered run mode. sync: rollout then train, exactly "
@@ -361,8 +346,7 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
         problems += _memory_problems(rollout)
     if run is not None and rollout is not None and rollout.true_on_policy and run.mode != "sync":
         problems.append("rollout.true_on_policy: needs run.mode sync (async rollouts come from older weights)")
-    if run is not None and run.warm_start is not None:  # its trainer settings: the phase's plugin checks them
-        registered(pm, "algorithms", "run.warm_start.algorithm", run.warm_start.algorithm, problems)
+    if run is not None and run.warm_start is not None:  # its keys: the phase's plugin checks them
         if not pm.hook.miles_warm_start.get_hookimpls():
             problems.append("run.warm_start: no installed plugin runs a warm start (miles_warm_start); "
                             "pip install miles-plugin-sft, which does, or remove run.warm_start")

@@ -5,22 +5,22 @@ arguments later without breaking plugins. Mark implementations with ``@miles.hoo
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from .types import Group, Sample, SamplingParams, Task
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover (names for annotations only: no torch at import, no import cycle)
     import torch
 
-    from .protocols import Engine, Env
+    from .config import Config
+    from .plugins import MilesPluginManager
+    from .protocols import Engine, Env, RegisterCommand, RegisterComponent, RunContext
     from .types import Batch
 
 hookspec = pluggy.HookspecMarker("miles")
 hookimpl = pluggy.HookimplMarker("miles")
-
-Register = Callable[..., None]
 
 
 # --- per-run hooks -------------------------------------------------------------------------------
@@ -56,21 +56,23 @@ def miles_rollout(task: Task, n: int, engine: "Engine", env: "Env", tokenizer: A
     """Generate the ``n`` samples of one task (multi-turn, agents, tools): called once per task
     of each rollout batch, with the run's tokenizer and this rollout's sampling params.
     firstresult: return the samples (rewards may be left ``None`` for the env / ``miles_reward``
-    to fill); ``None`` means "not mine". The ``trylast`` default comes with the ``single_turn``
-    rollout (``miles-plugin-single-turn``); a run leaves it out and batches every task no hook
+    to fill); ``None`` means "not mine". The ``trylast`` default comes with the kernel's
+    ``single-turn`` rollout (``miles.builtin``); a run leaves it out and batches every task no hook
     claims into one call of its ``rollout.name`` component instead."""
 
 
 @hookspec(firstresult=True)
-def miles_warm_start(run: Any, settings: Any) -> bool | None:
+def miles_warm_start(run: "RunContext", settings: dict[str, Any]) -> bool | None:
     """Run the supervised warm start (``run.warm_start``) before the first RL step.
 
-    Called once on every trainer rank of a run that has ``run.warm_start`` (``settings``, a
-    ``miles.config.WarmStartConfig``) and no checkpoint yet. ``run`` is the ``miles.loop.Loop``: the
-    phase trains the trainer ``run.new_trainer(settings=, algorithm=, total_steps=)`` makes with
-    ``run.update``, pushes and evaluates with ``run.publish``/``run.evaluate``, stops when
-    ``run.stopping()``. Return ``True`` when done: the run's trainer starts from its weights.
-    firstresult: ``None`` means "not mine"; ``miles-plugin-sft`` implements it.
+    Called once on every trainer rank of a run that has ``run.warm_start`` and no checkpoint yet;
+    ``settings`` are that section as given, for the implementing plugin to validate (its
+    ``miles_validate_config`` reports problems as ``run.warm_start.<key>``). ``run`` is the run
+    (``miles.protocols.RunContext``): the phase trains the trainer ``run.new_trainer(settings=,
+    algorithm=, total_steps=)`` makes with ``run.update``, pushes and evaluates with
+    ``run.publish``/``run.evaluate``, stops when ``run.stopping()``. Return ``True`` when done:
+    the run's trainer starts from its weights. firstresult: ``None`` means "not mine";
+    ``miles-plugin-sft`` implements it.
     """
 
 
@@ -93,69 +95,70 @@ def miles_serve(model_dir: str, host: str, port: int, api_key: str | None, setti
 
 
 # --- registration hooks: each is called once per plugin manager with ``register(name, factory,
-# config=PydanticModel)``; the protocol of each kind lists the context its factory receives ------
+# config=PydanticModel)`` (``miles.protocols.RegisterComponent``); the protocol of each kind lists
+# the context its factory receives -----------------------------------------------------------------
 
 @hookspec
-def miles_register_engines(register: Register) -> None:
+def miles_register_engines(register: "RegisterComponent") -> None:
     """Register rollout engines (``miles.protocols.Engine``); called once."""
 
 
 @hookspec
-def miles_register_trainers(register: Register) -> None:
+def miles_register_trainers(register: "RegisterComponent") -> None:
     """Register training backends (``miles.protocols.Trainer``); called once."""
 
 
 @hookspec
-def miles_register_transports(register: Register) -> None:
+def miles_register_transports(register: "RegisterComponent") -> None:
     """Register weight-sync transports (``miles.protocols.Transport``); called once."""
 
 
 @hookspec
-def miles_register_algorithms(register: Register) -> None:
+def miles_register_algorithms(register: "RegisterComponent") -> None:
     """Register RL and supervised algorithms (``miles.protocols.Algorithm``); called once."""
 
 
 @hookspec
-def miles_register_envs(register: Register) -> None:
+def miles_register_envs(register: "RegisterComponent") -> None:
     """Register environments (``miles.protocols.Env``); called once."""
 
 
 @hookspec
-def miles_register_model_specs(register: Register) -> None:
+def miles_register_model_specs(register: "RegisterComponent") -> None:
     """Register model specs (``miles.protocols.ModelSpec``); called once."""
 
 
 @hookspec
-def miles_register_launchers(register: Register) -> None:
+def miles_register_launchers(register: "RegisterComponent") -> None:
     """Register launchers, which place and supervise processes (``miles.protocols.Launcher``); called once."""
 
 
 @hookspec
-def miles_register_loggers(register: Register) -> None:
+def miles_register_loggers(register: "RegisterComponent") -> None:
     """Register metric sinks (``miles.protocols.Logger``); called once."""
 
 
 @hookspec
-def miles_register_modes(register: Register) -> None:
+def miles_register_modes(register: "RegisterComponent") -> None:
     """Register run modes, selected by ``run.mode`` (``miles.protocols.Mode``); called once
-    (``sync``: ``miles-plugin-sync``; ``async``: ``miles-plugin-async``)."""
+    (``sync``: the kernel's, ``miles.builtin``; ``async``: ``miles-plugin-async``)."""
 
 
 @hookspec
-def miles_register_rollouts(register: Register) -> None:
+def miles_register_rollouts(register: "RegisterComponent") -> None:
     """Register rollout components, selected by ``rollout.name`` (``miles.protocols.Rollout``);
-    called once (``single_turn``, the default: ``miles-plugin-single-turn``)."""
+    called once (``single-turn``, the default: the kernel's, ``miles.builtin``)."""
 
 
 @hookspec
-def miles_register_architectures(register: Register) -> None:
+def miles_register_architectures(register: "RegisterComponent") -> None:
     """Register model families' specifics (``miles.protocols.Architecture``), one per Hugging Face
     ``model_type`` (the name; ``factory(None)`` makes it); called once. Model specs look up their
     model's type here, and a family plugin adds an architecture without touching any other code."""
 
 
 @hookspec
-def miles_validate_config(config: Any, pm: Any) -> list[str] | None:
+def miles_validate_config(config: "Config", pm: "MilesPluginManager") -> list[str] | None:
     """Check settings across sections, before anything is built.
 
     Called once per run with the resolved ``miles.config.Config`` (every section already valid on
@@ -166,7 +169,7 @@ def miles_validate_config(config: Any, pm: Any) -> list[str] | None:
 
 
 @hookspec
-def miles_register_commands(register: Register) -> None:
+def miles_register_commands(register: "RegisterCommand") -> None:
     """Register ``miles <name>`` subcommands: ``register(name, help, add_arguments, run)``, where
     ``add_arguments(parser)`` adds the command's arguments to its ``argparse`` parser and
     ``run(args) -> int`` runs it and returns the exit code (a ``MilesError`` it raises is printed

@@ -24,16 +24,17 @@ from miles_telemetry import RunRecorder
 from .config import Config
 from .errors import EngineRestarted, MilesError
 from .plugins import MilesPluginManager
-from .protocols import (BuildsBatches, Console, Distributed, ExactScoring, Mode, OffersTokenizer, Prepares,
-                        ReceivesWeights, ScoresBatches, SupportsCritic, SuppliesSamples, SyncFilter, UsesTokenizer)
+from .protocols import (BuildsBatches, Console, CriticAlgorithm, Distributed, ExactScoring, Exports, Mode,
+                        OffersTokenizer, Prepares, ReceivesWeights, ScoresBatches, SupportsCritic,
+                        SuppliesSamples, SyncFilter, UsesTokenizer)
 from .protocols import EngineStats, Recorder
 from .rollouts import ModeContext, RolloutService
 from .types import Batch, Sample, SamplingParams
 
 
 @dataclass
-class Parts:
-    """The components of one run, built from the config."""
+class Components:
+    """The components of one run, built from the config (``Loop.components``)."""
 
     env: Any
     spec: Any
@@ -64,7 +65,19 @@ class SyncView:
         return ((n, t) for n, t in self._trainer.named_weights() if self._keep(n))
 
 
+def initial_model(pm: MilesPluginManager, cfg: Config, path: str) -> None:
+    """A Hugging Face folder of the run's architecture and tokenizer for the engines a launcher
+    starts to boot from; the first weight sync replaces its weights."""
+    loop = Loop(pm, cfg)
+    loop.build(with_engine=False)
+    loop.export(path, why=", which launcher.engines > 0 needs; use launcher.engines: 0")
+
+
 class Loop:
+    """One run (``miles.protocols.RunContext``): builds its components, then ``run()`` trains."""
+
+    components: Components  # made by build()
+
     def __init__(self, pm: MilesPluginManager, cfg: Config) -> None:
         self.pm, self.cfg = pm, cfg
         self.seed = cfg.run.seed
@@ -80,7 +93,7 @@ class Loop:
         t = cfg.run.telemetry  # rank 0 records what miles dashboard shows
         self.recorder: Recorder = RunRecorder(t.enabled and self.main, t.samples, t.max_mb, t.devices_every, self.seed)
 
-    def build(self, with_engine: bool = True) -> Parts:
+    def build(self, with_engine: bool = True) -> Components:
         import torch
 
         cfg, pm = self.cfg, self.pm
@@ -93,12 +106,15 @@ class Loop:
         if isinstance(env, UsesTokenizer):  # e.g. prompts dropped over a token length
             env.use_tokenizer(tokenizer)
         algorithm = pm.create("algorithms", cfg.name("algorithm"), cfg.settings("algorithm"))
+        if algorithm.needs_critic and not isinstance(algorithm, CriticAlgorithm):
+            raise MilesError(f"algorithm {cfg.name('algorithm')!r} sets needs_critic but has no critic_lr and "
+                             f"value_loss (miles.protocols.CriticAlgorithm); its plugin must provide them")
         engine = None
         if with_engine and self.main:
             engine = pm.create("engines", cfg.name("engine"), cfg.settings("engine"), spec=spec,
                                tokenizer=tokenizer, seed=self.seed)
         transport = pm.create("transports", cfg.name("transport"), cfg.settings("transport"), out_dir=cfg.run.out_dir)
-        self.p = Parts(env, spec, tokenizer, algorithm, engine, transport)
+        self.components = Components(env, spec, tokenizer, algorithm, engine, transport)
         r = cfg.rollout
         stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens, stops)
@@ -113,20 +129,38 @@ class Loop:
                           isinstance(engine, ReceivesWeights) and bool(engine.remote),
                           version_fn=lambda: self.version, console=self.console)
         self.mode = pm.create("modes", cfg.run.mode, cfg.mode_settings, ctx=ctx)
-        return self.p
+        return self.components
 
     def new_trainer(self, found: Any = None, settings: Any = None, algorithm: Any = None,
                     total_steps: int | None = None) -> Any:
         """A fresh trainer for the run, holding checkpoint ``found`` (``runfolder.latest``'s answer)
         if given. A phase (the warm start) passes its own trainer settings, algorithm and LR span."""
-        self.p.trainer = self.pm.create(
-            "trainers", self.cfg.name("trainer"), settings or self.cfg.settings("trainer"), spec=self.p.spec,
-            tokenizer=self.p.tokenizer, seed=self.seed, algorithm=algorithm or self.p.algorithm,
+        self.components.trainer = self.pm.create(
+            "trainers", self.cfg.name("trainer"), settings or self.cfg.settings("trainer"), spec=self.components.spec,
+            tokenizer=self.components.tokenizer, seed=self.seed, algorithm=algorithm or self.components.algorithm,
             total_steps=self.cfg.run.steps if total_steps is None else total_steps)
         if found:
-            self.p.trainer.load(str(found[0] / "trainer"))
+            self.components.trainer.load(str(found[0] / "trainer"))
             self.version = found[1]["weight_version"]
-        return self.p.trainer
+        return self.components.trainer
+
+    def export(self, path: str, why: str = "") -> None:
+        """A Hugging Face folder at ``path`` (which must not exist yet) of the trainer's weights, or
+        of a freshly initialised model when the run has no trainer (an initial model for engines).
+        ``why``: what needs the folder, for the error of a spec that cannot write one."""
+        c = self.components
+        if not isinstance(c.spec, Exports):
+            raise MilesError(f"model spec {self.cfg.name('model')!r} cannot write a Hugging Face folder "
+                             f"(miles.protocols.Exports){why}")
+        weights = c.trainer.named_weights() if c.trainer is not None \
+            else c.spec.build_model(c.tokenizer).state_dict().items()
+        try:  # one shard: transformers' "Writing model shards" progress bar is noise
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
+        c.spec.save_pretrained(weights, c.tokenizer, path)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the eval split (a reward >= 1 is correct), the mean reward and the
@@ -136,7 +170,7 @@ class Loop:
 
         def run() -> dict[str, float]:
             with self.mode.lock_engines(), self.recorder.span("eval"):
-                groups = self.rollouts.run(list(self.p.env.tasks("eval")), 1, self.eval_params)
+                groups = self.rollouts.run(list(self.components.env.tasks("eval")), 1, self.eval_params)
             rewards = [g.samples[0].reward for g in groups]
             extra = self.rollouts.metrics([g.samples[0] for g in groups])  # e.g. a rollout's diversity
             return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
@@ -147,19 +181,20 @@ class Loop:
     def sync(self, wait: bool = True) -> dict[str, float]:
         """Push the trainer's weights to the engines as ``self.version``, through the run mode:
         ``wait=False`` (a training step's push) lets it finish later (``Mode.push``)."""
-        trainer = self.p.trainer
-        if isinstance(self.p.spec, SyncFilter) and self._synced_once:  # LoRA: the base went with the first sync
-            trainer = SyncView(trainer, self.p.spec.sync_filter)
+        c = self.components
+        trainer = c.trainer
+        if isinstance(c.spec, SyncFilter) and self._synced_once:  # LoRA: the base went with the first sync
+            trainer = SyncView(trainer, c.spec.sync_filter)
         self._synced_once = True
-        return self.mode.push(trainer, [self.p.engine] if self.p.engine is not None else [], self.version, wait)
+        return self.mode.push(trainer, [c.engine] if c.engine is not None else [], self.version, wait)
 
     def share(self, obj: Any) -> Any:
         """``obj`` as rank 0 has it, on every trainer rank."""
-        return self.p.trainer.broadcast_object(obj) if self.distributed else obj
+        return self.components.trainer.broadcast_object(obj) if self.distributed else obj
 
     @property
     def distributed(self) -> bool:
-        return isinstance(self.p.trainer, Distributed) and self.p.trainer.world_size > 1
+        return isinstance(self.components.trainer, Distributed) and self.components.trainer.world_size > 1
 
     def loss_fn(self, algorithm: Any) -> Callable[[Batch, Any], tuple[Any, dict[str, float]]]:
         def fn(batch: Batch, logprobs: Any) -> tuple[Any, dict[str, float]]:
@@ -183,16 +218,17 @@ class Loop:
                temperature: float = 1.0, minibatches: int | None = None) -> dict[str, float]:
         """Optimizer step(s) on the samples: ``rollout.minibatches`` steps per batch (or ``minibatches``).
         ``temperature``: the one the samples were generated at (log-probs are scored at it)."""
-        trainer = self.p.trainer
+        trainer = self.components.trainer
         build = algorithm.make_batch if isinstance(algorithm, BuildsBatches) else Batch.from_samples
-        batch = build(samples, self.p.tokenizer.pad_token_id, advantages)  # e.g. SFT's packed rows
+        batch = build(samples, self.components.tokenizer.pad_token_id, advantages)  # e.g. SFT's packed rows
         batch.temperature = temperature or 1.0
         if algorithm.needs_reference:
             batch.ref_logprobs = trainer.logprobs(batch, "ref")
         k = max(1, min(minibatches or self.cfg.rollout.minibatches, len(batch)))
         if k > 1:
             batch.old_logprobs = trainer.logprobs(batch, "policy")
-        critic = algorithm.needs_critic and isinstance(trainer, SupportsCritic)
+        critic = isinstance(algorithm, CriticAlgorithm) and algorithm.needs_critic \
+            and isinstance(trainer, SupportsCritic)
         if critic:  # the critic's V_t before the update (PPO's GAE)
             batch.extras["values"] = trainer.values(batch)
         # optional whole-batch step: token advantages needing ref/old/values (KL in reward, GAE)
@@ -215,13 +251,13 @@ class Loop:
         """True on-policy: the engine's log-probs of exactly this mini-batch, computed by the trainer's own
         routine (``trainer.response_logprobs``) on the engine's weights, which this step has not changed yet:
         bitwise equal to the trainer's on the first mini-batch, and the old policy's for the later ones."""
-        fn = self.p.trainer.response_logprobs if isinstance(self.p.trainer, ExactScoring) else None
-        if self.main and (fn is None or not isinstance(self.p.engine, ScoresBatches)):
+        fn = self.components.trainer.response_logprobs if isinstance(self.components.trainer, ExactScoring) else None
+        if self.main and (fn is None or not isinstance(self.components.engine, ScoresBatches)):
             raise MilesError(f"rollout.true_on_policy needs a trainer with response_logprobs and an "
                              f"engine with score(batch, fn); {self.cfg.name('trainer')!r} / "
                              f"{self.cfg.name('engine')!r} lack them")
         with self.mode.lock_engines():
-            lp = self.share(self.p.engine.score(mb, fn) if self.main else None)
+            lp = self.share(self.components.engine.score(mb, fn) if self.main else None)
         return replace(mb, rollout_logprobs=lp, old_logprobs=lp)
 
     def console(self, text: str, progress: tuple[str, int, int] | None = None) -> None:
@@ -241,20 +277,20 @@ class Loop:
             groups, m = self.gather(lambda: self.mode.take(rng, params))  # tasks, rollout, rewards, filters
         t_train = time.perf_counter()
         if groups:
-            advantages = [a for per_group in self.p.algorithm.advantages(groups) for a in per_group]
+            advantages = [a for per_group in self.components.algorithm.advantages(groups) for a in per_group]
             samples = [s for g in groups for s in g.samples]
             self.recorder.pick(step, samples, advantages)
             with self.recorder.span("train"):
-                m.update(self.update(samples, advantages, self.p.algorithm, params.temperature))  # train
+                m.update(self.update(samples, advantages, self.components.algorithm, params.temperature))  # train
             m.update(self._after_update(t_train))  # a new weight version, pushed to the engines
         return {**m, "weight_version": self.version, "step_seconds": time.perf_counter() - t0}
 
     def supervised_step(self, step: int) -> dict[str, Any]:
         """One step of a supervised algorithm (``uses_rollout`` False) on the samples it supplies
         (``SuppliesSamples``: e.g. a dataset file, or the env's demonstrations) instead of rollouts."""
-        algo, t0 = self.p.algorithm, time.perf_counter()
+        algo, t0 = self.components.algorithm, time.perf_counter()
         rng, n = random.Random(self.seed * 1_000_003 + step), self.cfg.rollout.batch_size * self.cfg.rollout.n
-        samples = algo.supervised_samples(self.p.tokenizer, n, rng, self.version, env=self.p.env,
+        samples = algo.supervised_samples(self.components.tokenizer, n, rng, self.version, env=self.components.env,
                                           rollout=self.rollout_component) if isinstance(algo, SuppliesSamples) else None
         if samples is None:
             raise MilesError(f"algorithm {self.cfg.name('algorithm')!r} trains without rollouts but supplied no "
@@ -325,13 +361,13 @@ class Loop:
         """Every rank writes its part into rank 0's temp folder; rank 0 seals it atomically."""
         tmp = self.share(runfolder.begin(self.cfg.run.out_dir, step) if self.main else None)
         with runfolder.disk_errors(tmp.parent, tmp if self.main else None):  # a full disk: a clear error
-            self.p.trainer.save(os.path.join(tmp, "trainer"))
+            self.components.trainer.save(os.path.join(tmp, "trainer"))
         if self.distributed:
-            self.p.trainer.barrier()
+            self.components.trainer.barrier()
         if self.main:
             runfolder.commit(tmp, step, {"weight_version": self.version}, self.cfg.run.keep_checkpoints)
         if self.distributed:
-            self.p.trainer.barrier()
+            self.components.trainer.barrier()
 
     def open_loggers(self) -> None:
         run = self.cfg.run
@@ -380,20 +416,21 @@ class Loop:
             runfolder.write_atomic(os.path.join(cfg.run.out_dir, "config.yaml"),
                                     yaml.safe_dump(cfg.resolved(), sort_keys=False))
         self.open_loggers()
-        c = self.p
+        c = self.components
         self.recorder.open(cfg.run.out_dir, c.tokenizer,
                            c.engine.engine_stats if isinstance(c.engine, EngineStats) else None)
         history = []
         try:
             if start == 0:
                 # a supervised phase (miles-plugin-sft's) trains a trainer of its own; the run's starts from it
-                warm = cfg.run.warm_start and self.pm.hook.miles_warm_start(run=self, settings=cfg.run.warm_start)
-                weights = dict(self.p.trainer.named_weights()) if warm else None
+                warm = cfg.run.warm_start is not None \
+                    and self.pm.hook.miles_warm_start(run=self, settings=cfg.run.warm_start)
+                weights = dict(self.components.trainer.named_weights()) if warm else None
                 self.new_trainer()
                 if weights is not None:
-                    self.p.trainer.load_weights(weights.items())
-                if self.p.algorithm.needs_reference:
-                    self.p.trainer.snapshot_reference()
+                    self.components.trainer.load_weights(weights.items())
+                if self.components.algorithm.needs_reference:
+                    self.components.trainer.snapshot_reference()
                 self.sync()
                 m = self.evaluate()
                 self.log(0, m)
@@ -403,7 +440,7 @@ class Loop:
             else:
                 self.console(f"resuming from step {start - 1} in {cfg.run.out_dir}")
             gc.freeze()  # the run's long-lived objects: collections skip them (a full one took ~0.2 s)
-            step_fn = self.rl_step if self.p.algorithm.uses_rollout else self.supervised_step
+            step_fn = self.rl_step if self.components.algorithm.uses_rollout else self.supervised_step
             for step in range(start, cfg.run.steps + 1):
                 m = step_fn(step)
                 self._check_finite(step, m)

@@ -28,8 +28,8 @@ class ModelSpec(Protocol):
     ``build_tokenizer(default)``: the tokenizer (``default`` is the env's, if it offers one);
     ``build_model(tokenizer)``: a fresh ``torch.nn.Module`` with Hugging Face parameter names; for
     a causal LM, HF-style ``forward(input_ids, attention_mask, position_ids) -> .logits``.
-    Backends may ask a spec for more, each optional: e.g. the megatron trainer calls
-    ``megatron_layer_spec(layer_spec) -> layer_spec`` to swap a module of its transformer layer.
+    Backends may ask a spec for more, each optional and a protocol below (``EditsMegatronLayers``,
+    ``Exports``, ``ScoresActions``, ...).
     """
 
     def build_tokenizer(self, default: Any = None) -> Any: ...
@@ -53,6 +53,15 @@ class Exports(Protocol):
 
 
 @runtime_checkable
+class EditsMegatronLayers(Protocol):
+    """A spec that changes the megatron trainer's transformer layer: ``megatron_layer_spec(layer_spec)
+    -> layer_spec`` gets megatron-core's ``ModuleSpec`` of one layer and returns it with any
+    submodule swapped (e.g. another core attention)."""
+
+    def megatron_layer_spec(self, layer_spec: Any) -> Any: ...
+
+
+@runtime_checkable
 class ScoresActions(Protocol):
     """A spec whose model is not a causal LM (e.g. a diffusion transformer) says how a trainer
     scores a batch: ``action_logprobs(model, batch) -> [B, T]``, the log-probability of each
@@ -70,6 +79,19 @@ class KeepsTrainingState(Protocol):
 
     def training_state(self, model: "torch.nn.Module") -> dict[str, "torch.Tensor"]: ...
     def load_training_state(self, model: "torch.nn.Module", state: dict[str, "torch.Tensor"]) -> None: ...
+
+
+@runtime_checkable
+class DiffusionSpec(Protocol):
+    """A spec of a diffusion transformer, as a diffusion engine builds on it: ``text_encoder(tokenizer)``
+    (a module of prompt embeddings), ``max_length()`` (prompt tokens), ``image_size(model)``,
+    ``vae_factor()`` (pixels per latent side) and ``decode(latents)`` (images ``[B, 3, H, W]`` in [0, 1])."""
+
+    def text_encoder(self, tokenizer: Any) -> "torch.nn.Module": ...
+    def max_length(self) -> int: ...
+    def image_size(self, model: "torch.nn.Module") -> int: ...
+    def vae_factor(self) -> int: ...
+    def decode(self, latents: "torch.Tensor") -> "torch.Tensor": ...
 
 
 # --- environments ---------------------------------------------------------------------------------
@@ -125,6 +147,19 @@ class ExtractsAnswers(Protocol):
     ``miles eval``'s majority voting (maj@k) counts these; without it, the stripped response."""
 
     def answer(self, sample: Sample) -> str | None: ...
+
+
+@runtime_checkable
+class ServiceEnv(Protocol):
+    """An env whose episodes run in an outside service (an OpenEnv server, Harbor, a NeMo Gym agent,
+    a verifiers worker) and are played by the rollout component of the same name: ``service``, that
+    name (the rollout checks it before it reads the rest); ``cfg``: the env's validated settings,
+    which say where the service is; ``failures``: why recent episodes failed, for the env's metrics.
+    The env also holds its client of the service (e.g. ``sessions``, ``worker``)."""
+
+    service: str
+    cfg: Any
+    failures: Any
 
 
 # --- engines --------------------------------------------------------------------------------------
@@ -221,6 +256,20 @@ class ScoresBatches(Protocol):
     by ``logprob_fn(model, batch)`` on its own weights (``rollout.true_on_policy``)."""
 
     def score(self, batch: Batch, logprob_fn: Callable[..., "torch.Tensor"]) -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class SamplesImages(Protocol):
+    """A diffusion engine as the diffusion rollout drives it: ``encode(prompts)``: token ids per
+    prompt; ``sample(prompt_ids, noise_seeds, stochastic, step_seed=, trajectory=)``: one image per
+    row and its denoising trajectory (CPU tensors by name: ``images``, ``latents``, ``sigmas``,
+    ``logprobs``, the conditioning, ``eta``, ``guidance``)."""
+
+    weight_version: int
+
+    def encode(self, prompts: Sequence[str]) -> list[list[int]]: ...
+    def sample(self, prompt_ids: Sequence[Sequence[int]], noise_seeds: Sequence[int], stochastic: bool,
+               step_seed: int = 0, trajectory: bool = True) -> dict[str, Any]: ...
 
 
 # --- rollouts -------------------------------------------------------------------------------------
@@ -335,8 +384,8 @@ class Algorithm(Protocol):
 
     ``uses_rollout``: False for supervised algorithms (batches come from demonstrations);
     ``needs_reference``: the loop asks the trainer for ``ref_logprobs``; ``needs_critic``: the
-    loop puts ``trainer.values(batch)`` in ``batch.extras["values"]`` and, after each policy
-    step, calls ``trainer.train_critic(minibatch, algorithm.value_loss)``;
+    algorithm is a ``CriticAlgorithm``; the loop puts ``trainer.values(batch)`` in
+    ``batch.extras["values"]`` and, after each policy step, trains the critic;
     ``keep(group)``: the algorithm's own filter (e.g. drop zero-variance groups);
     ``advantages(groups)``: per group, per sample a float or a per-action list;
     ``loss(batch, logprobs)``: this micro-batch's share of the loss (see ``Batch.token_mean``).
@@ -349,6 +398,18 @@ class Algorithm(Protocol):
     def keep(self, group: Group) -> bool: ...
     def advantages(self, groups: Sequence[Group]) -> list[list[Any]]: ...
     def loss(self, batch: Batch, logprobs: "torch.Tensor") -> "tuple[torch.Tensor, dict[str, float]]": ...
+
+
+@runtime_checkable
+class CriticAlgorithm(Protocol):
+    """An algorithm with a value model (``needs_critic``, e.g. PPO): ``critic_lr``, the critic
+    optimizer's learning rate (None: the trainer's ``lr``), read when a trainer builds the critic;
+    ``value_loss(batch, values) -> (loss, metrics)``, which the loop hands to the trainer's
+    ``SupportsCritic.train_critic`` after each policy step."""
+
+    critic_lr: float | None
+
+    def value_loss(self, batch: Batch, values: "torch.Tensor") -> "tuple[torch.Tensor, dict[str, float]]": ...
 
 
 @runtime_checkable
@@ -514,17 +575,27 @@ class RendersTranscripts(Protocol):
 
 # --- mixture of experts ---------------------------------------------------------------------------
 @runtime_checkable
+class RoutingRecorder(Protocol):
+    """Records one model's expert routing: ``recording()`` (a context manager: every forward inside
+    is logged), ``take()`` (the log, one int32 ``[tokens, moe_layers, top_k]`` tensor per forward,
+    tokens in the forward's row-major (row, position) order), ``extension`` (the
+    ``Sample.extensions`` key its records travel under)."""
+
+    extension: str
+
+    def recording(self) -> ContextManager[Any]: ...
+    def take(self) -> list["torch.Tensor"]: ...
+
+
+@runtime_checkable
 class RecordsRouting(Protocol):
     """A model spec whose mixture-of-experts models can record the experts each token is routed to
-    (rollout routing replay, R3). ``routing_recorder(model)`` returns a recorder of that model with
-    ``recording()`` (a context manager: every forward inside is logged), ``take()`` (the log, one
-    int32 ``[tokens, moe_layers, top_k]`` tensor per forward, tokens in the forward's row-major
-    (row, position) order) and ``extension`` (the ``Sample.extensions`` key). An engine returns a
+    (rollout routing replay, R3): ``routing_recorder(model)``, a ``RoutingRecorder``. An engine returns a
     completion's rows as ``Completion.extras[extension] = {"routed_experts": Tensor}``, shaped
     ``[prompt + response - 1, layers, top_k]`` (the last token is never fed back), and the spec's
     ``ScoresActions.action_logprobs`` replays them in the trainer."""
 
-    def routing_recorder(self, model: "torch.nn.Module") -> Any: ...
+    def routing_recorder(self, model: "torch.nn.Module") -> RoutingRecorder: ...
 
 
 # --- architectures --------------------------------------------------------------------------------
@@ -569,3 +640,58 @@ class KnowsArchitecture(Protocol):
     registered one for its ``model_type``; everything then runs the generic way)."""
 
     def architecture(self) -> Architecture | None: ...
+
+
+# --- the run, as phases, commands and launchers see it --------------------------------------------
+@runtime_checkable
+class RunContext(Protocol):
+    """What a run offers the code that drives it from outside the loop: a phase before RL (the warm
+    start, ``miles_warm_start``'s ``run``), ``miles eval`` / ``miles export`` and launchers (an
+    initial model for their engines). ``miles.loop.Loop`` implements it.
+
+    ``cfg``/``pm``: the run's config and plugin manager; ``main``: trainer rank 0; ``version``: the
+    current weight version; ``components``: the run's env, spec, tokenizer, algorithm, engine,
+    transport and trainer (after ``build``); ``rollout_component``: the ``rollout.name`` component.
+    ``build(with_engine)``: make the components; ``new_trainer(found, settings=, algorithm=,
+    total_steps=)``: a fresh trainer (holding checkpoint ``found``); ``update(samples, advantages,
+    algorithm, minibatches=)``: optimizer step(s); ``publish()``: a new weight version, pushed;
+    ``sync()``: push the current one; ``evaluate()``: the eval metrics; ``stopping()``: whether a
+    signal asked the run to stop; ``console(text, progress=)``: a line or a phase's progress;
+    ``export(path, why)``: a Hugging Face folder of the trainer's weights (no trainer: fresh ones).
+    """
+
+    cfg: Any
+    pm: Any
+    main: bool
+    version: int
+    components: Any
+    rollout_component: Any
+
+    def build(self, with_engine: bool = True) -> Any: ...
+    def new_trainer(self, found: Any = None, settings: Any = None, algorithm: Any = None,
+                    total_steps: int | None = None) -> Trainer: ...
+    def update(self, samples: list[Sample], advantages: list, algorithm: Any, temperature: float = 1.0,
+               minibatches: int | None = None) -> dict[str, float]: ...
+    def publish(self, wait: bool = True) -> dict[str, float]: ...
+    def sync(self, wait: bool = True) -> dict[str, float]: ...
+    def evaluate(self) -> dict[str, float]: ...
+    def stopping(self) -> bool: ...
+    def console(self, text: str, progress: tuple[str, int, int] | None = None) -> None: ...
+    def export(self, path: str, why: str = "") -> None: ...
+
+
+# --- the register callables the registration hooks receive ----------------------------------------
+class RegisterComponent(Protocol):
+    """``register(name, factory, config=None)`` of ``miles_register_<kind>``: ``factory(settings,
+    **context)`` makes the component (context as its kind's protocol lists); ``config``: the pydantic
+    schema of its settings (None: it takes none). Names use ``-``; ``_`` spellings resolve too."""
+
+    def __call__(self, name: str, factory: Callable[..., Any], config: Any = None) -> None: ...
+
+
+class RegisterCommand(Protocol):
+    """``register(name, help, add_arguments, run)`` of ``miles_register_commands``: ``miles <name>``;
+    ``add_arguments(parser)`` adds its arguments to an ``argparse`` parser; ``run(args) -> int``."""
+
+    def __call__(self, name: str, help: str, add_arguments: Callable[[Any], None],
+                 run: Callable[[Any], int]) -> None: ...

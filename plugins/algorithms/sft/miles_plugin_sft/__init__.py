@@ -29,11 +29,10 @@ def miles_warm_start(run, settings):
 
 @hookimpl
 def miles_validate_config(config, pm):
-    """``run.warm_start.trainer`` over the trainer section, checked by the trainer's own schema."""
-    if config.run.warm_start is None or config.name("trainer") not in pm.registry("trainers"):
+    """``run.warm_start`` by this plugin's schema, its algorithm registered, and its ``trainer``
+    over the trainer section checked by the trainer's own schema; problems name ``run.warm_start.<key>``."""
+    if config.run.warm_start is None:
         return None
-    from .warmstart import trainer_settings
+    from .warmstart import check
 
-    problems = []
-    trainer_settings(config, pm, problems)
-    return problems
+    return check(config, pm)

@@ -1,7 +1,7 @@
 """SFT configuration (pydantic only: importable without torch)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -38,3 +38,21 @@ class SFTConfig(BaseModel):
             raise ValueError("pack=true needs loss_agg='token-mean': a packed row holds several "
                              "examples, so a per-row mean is not a per-example mean")
         return self
+
+
+class WarmStartConfig(BaseModel):
+    """``run.warm_start``: supervised training on ``env.demonstrations()`` before RL, run to
+    convergence: it stops when eval accuracy has not improved by ``min_delta`` for ``patience``
+    evaluations. The kernel keeps the section as given; this plugin validates and runs it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_steps: int = Field(2000, gt=0, description="upper bound on supervised steps")
+    min_steps: int = Field(0, ge=0, description="no early stop before this many steps")
+    batch_size: int = Field(256, gt=0, description="demonstrations per step")
+    eval_every: int = Field(50, gt=0, description="supervised steps between evaluations")
+    patience: int = Field(4, gt=0, description="evaluations without improvement before stopping")
+    min_delta: float = Field(0.005, ge=0, description="improvement that resets patience")
+    algorithm: str = Field("sft", description="registered algorithm used for the warm start")
+    trainer: dict[str, Any] = Field(default_factory=dict,
+                                    description="trainer settings overridden during the warm start")

@@ -9,29 +9,52 @@ import time
 from typing import Any
 
 import miles.runfolder as runfolder
-from miles.config import validate_settings
+from miles.config import registered, validate_settings
+from miles.errors import ConfigError
+from miles.protocols import RunContext
 
+from .config import WarmStartConfig
 from .demos import demo_samples, demonstrations
 
 
-def trainer_settings(config: Any, pm: Any, problems: list[str]) -> Any:
+def settings(config: Any, problems: list[str]) -> WarmStartConfig | None:
+    """``run.warm_start`` (the kernel keeps it as given) validated by this plugin's schema."""
+    return validate_settings(WarmStartConfig, "run.warm_start", config.run.warm_start, problems)
+
+
+def trainer_settings(config: Any, pm: Any, ws: WarmStartConfig, problems: list[str]) -> Any:
     """The trainer section with ``run.warm_start.trainer`` applied over it, validated by the
     trainer's own schema; problems are named ``run.warm_start.trainer.<key>``."""
     raw = config.raw.get("trainer") if isinstance(config.raw.get("trainer"), dict) else {}
-    merged = {**{k: v for k, v in raw.items() if k != "name"}, **config.run.warm_start.trainer}
+    merged = {**{k: v for k, v in raw.items() if k != "name"}, **ws.trainer}
     schema = pm.registry("trainers")[config.name("trainer")].config
     return validate_settings(schema, "run.warm_start.trainer", merged, problems)
 
 
-def warm_start(run: Any, ws: Any) -> bool:
+def check(config: Any, pm: Any) -> list[str]:
+    """Every problem of ``run.warm_start``, each naming its ``run.warm_start.<key>``."""
+    problems: list[str] = []
+    ws = settings(config, problems)
+    if ws is not None:
+        registered(pm, "algorithms", "run.warm_start.algorithm", ws.algorithm, problems)
+        if config.name("trainer") in pm.registry("trainers"):
+            trainer_settings(config, pm, ws, problems)
+    return problems
+
+
+def warm_start(run: RunContext, raw: dict[str, Any]) -> bool:
     """Train the loop's trainer (one of the warm start's own: its LR schedule spans ``max_steps``)
     on demonstrations; every ``eval_every`` steps push the weights and evaluate; stop after
     ``patience`` evaluations without a gain of ``min_delta`` (not before ``min_steps``)."""
-    cfg, env, tok = run.cfg, run.p.env, run.p.tokenizer
+    cfg, env, tok = run.cfg, run.components.env, run.components.tokenizer
+    problems: list[str] = []
+    ws = settings(cfg, problems)
+    if ws is None:  # miles_validate_config reported it before the run began
+        raise ConfigError(problems, source="run.warm_start")
     demos = demonstrations(env, "run.warm_start", "remove run.warm_start or pick an env that provides them")
     rng = random.Random(cfg.run.seed)
     algo = run.pm.create("algorithms", ws.algorithm, None)
-    run.new_trainer(settings=trainer_settings(cfg, run.pm, []), algorithm=algo, total_steps=ws.max_steps)
+    run.new_trainer(settings=trainer_settings(cfg, run.pm, ws, []), algorithm=algo, total_steps=ws.max_steps)
     log = None
     if run.main:  # a fresh run (no checkpoint): rows of an earlier, interrupted attempt are redone
         path = os.path.join(cfg.run.out_dir, "warm_start.jsonl")

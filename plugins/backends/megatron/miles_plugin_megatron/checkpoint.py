@@ -8,13 +8,20 @@ factories. On load each rank reads the parts its layout holds, so a checkpoint w
 tensor- / expert- / data-parallel size resumes at another. The vocabulary rows (padded to the TP
 size) load across sizes because megatron-core marks them ``allow_shape_mismatch``. Step counts,
 the LR schedule and the RNG state are the common (rank 0) part.
+
+Loading runs no code planted in a checkpoint: megatron-core's DCP reader goes through
+miles-safeload's allow-lists (``_safe_reads``), and its common part is read by ``torch.load``
+with torch's default ``weights_only=True``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from miles_safeload import SafeReader
 
 MARK = "metadata.json"  # written last by dist_checkpointing.save: a folder with it is complete
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -105,6 +112,31 @@ def save(trainer: Any, path: str) -> None:
     trainer.barrier()
 
 
+@contextlib.contextmanager
+def _safe_reads() -> Iterator[list[SafeReader]]:
+    """While it is open, megatron-core's torch_dist strategy reads checkpoints through SafeReaders
+    (the list holds them, to tell what they refused). The strategy builds its own DCP reader, whose
+    ``.metadata`` is a plain ``pickle.load``, through this one module function."""
+    from megatron.core.dist_checkpointing.strategies import torch as strategy
+    from miles import MilesError
+
+    if not callable(getattr(strategy, "_get_filesystem_reader", None)):
+        raise MilesError("this megatron-core no longer builds its checkpoint reader through "
+                         "_get_filesystem_reader, so its checkpoints cannot be loaded safely; install "
+                         "megatron-core 0.16 (pip install 'megatron-core>=0.16,<0.17')")
+    made: list[SafeReader] = []
+
+    def reader(checkpoint_dir: Any, cache_metadata: bool = False) -> SafeReader:
+        made.append(SafeReader(checkpoint_dir))  # it caches its metadata anyway
+        return made[-1]
+
+    original, strategy._get_filesystem_reader = strategy._get_filesystem_reader, reader
+    try:
+        yield made
+    finally:
+        strategy._get_filesystem_reader = original
+
+
 def load(trainer: Any, path: str) -> None:
     """Collective: every rank reads its shards of the checkpoint's global tensors."""
     from megatron.core import dist_checkpointing
@@ -119,7 +151,14 @@ def load(trainer: Any, path: str) -> None:
     if common["critic"] and hasattr(trainer, "build_critic"):  # else a run without critic resumes
         trainer.build_critic()
     sd = _sharded(trainer)
-    loaded = dist_checkpointing.load(sd, path)
+    with _safe_reads() as readers:
+        try:
+            loaded = dist_checkpointing.load(sd, path)
+        except BaseException:  # DCP wraps what a reader refused in its own exception
+            refused = next((r.refused for r in readers if r.refused), None)
+            if refused is None:
+                raise
+            raise refused from None
     with torch.no_grad():
         for prefix, model, optim in _parts(trainer):
             weights = {k.removeprefix(prefix): v for k, v in loaded[prefix].items()}
@@ -149,16 +188,3 @@ def _restore(optim: torch.optim.Optimizer, model: torch.nn.Module, moments: dict
             st[k].copy_(moments[f"{prefix}{k}.{name}"])
         st["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
 
-
-def read_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """The global tensors under ``prefix`` of a checkpoint folder, in one process without a process
-    group (decoder weights stacked over layers, as megatron-core stores them): for inspection."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
-        state = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
-    return {k.removeprefix(prefix): v for k, v in state.items()
-            if k.startswith(prefix) and isinstance(v, torch.Tensor) and "optim." not in k}

@@ -67,3 +67,16 @@ def hf_logprobs(model: torch.nn.Module, b: Any) -> torch.Tensor:
     if b.temperature != 1.0:
         logits = logits / b.temperature
     return logits.log_softmax(-1).gather(-1, b.input_ids[:, b.prompt_len:, None])[..., 0]
+
+
+def read_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The global tensors under ``prefix`` of a megatron checkpoint folder (decoder weights stacked
+    over layers, as megatron-core stores them), read in one process without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from miles_safeload import SafeReader
+
+    meta = SafeReader(path).read_metadata()
+    want = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+            if k.startswith(prefix) and "optim." not in k and isinstance(m, dcp.TensorStorageMetadata)}
+    dcp.load(want, storage_reader=SafeReader(path), no_dist=True)
+    return {k.removeprefix(prefix): v for k, v in want.items()}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Spec, batch
+from helpers import Spec, batch, read_tensors
 from miles_plugin_megatron.config import MegatronConfig
 
 pytestmark = [pytest.mark.gpu,
@@ -236,8 +236,6 @@ def _train(out: Path, steps: int) -> list[dict]:
 
 
 def test_grpo_recipe_trains_exports_and_resumes(tmp_path):
-    from miles_plugin_megatron import checkpoint
-
     out = tmp_path / "run"
     rows = [r for r in _train(out, 20) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 21))
@@ -252,7 +250,7 @@ def test_grpo_recipe_trains_exports_and_resumes(tmp_path):
         report(f"grpo_{k}", v)
     assert len(set(losses)) > 1 and diffs and max(diffs) < 0.05
     ck = sorted((out / "checkpoints").glob("step_*"))
-    w10, w20 = (checkpoint.read_tensors(str(c / "trainer")) for c in ck[-2:])  # dist_checkpointing folders
+    w10, w20 = (read_tensors(str(c / "trainer")) for c in ck[-2:])  # dist_checkpointing folders
     moved = max(float((w20[k] - w10[k]).abs().max()) for k in w10)
     report("grpo_weights_max_abs_change_step10_to_20", moved)
     assert moved > 0

@@ -76,7 +76,7 @@ def test_save_load_resumes_exactly(megatron_cpu, tmp_path):
     tr.train_step(b, loss_fn)
     tr.snapshot_reference()
     tr.save(str(tmp_path / "ck"))
-    from miles_plugin_megatron.checkpoint import read_tensors
+    from helpers import read_tensors
 
     stored = read_tensors(str(tmp_path / "ck"))  # megatron-core's global tensors, read in one process
     embed = dict(tr.named_weights())["model.embed_tokens.weight"]
@@ -88,6 +88,30 @@ def test_save_load_resumes_exactly(megatron_cpu, tmp_path):
     assert m1 == m2  # same weights, AdamW moments, step count and LR schedule
     for (k, v), (k2, v2) in zip(tr.named_weights(), again.named_weights()):
         assert k == k2 and torch.equal(v, v2), k
+
+
+class _Plant:
+    """A pickle that writes a file when loaded, as a planted checkpoint file would run code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_planted_metadata_pickle_is_refused_before_it_runs(megatron_cpu, tmp_path):
+    import pickle
+
+    from miles import MilesError
+
+    tr = make("qwen2")
+    tr.save(str(tmp_path / "ck"))
+    marker = tmp_path / "ran"
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
+    with pytest.raises(MilesError, match="unsafe .metadata"):
+        make("qwen2", seed=3).load(str(tmp_path / "ck"))
+    assert not marker.exists()
 
 
 def test_load_weights_rejects_foreign_names(megatron_cpu):
