@@ -130,10 +130,10 @@ def run_both(loop, init_state: dict, shape: dict, out_dir: str) -> tuple[list[di
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)  # gradient_checkpointing renames
-    tok = loop.p.tokenizer
-    model = loop.p.spec.build_model(tok)  # same config as miles ...
+    tok = loop.components.tokenizer
+    model = loop.components.spec.build_model(tok)  # same config as miles ...
     model.load_state_dict(init_state)  # ... and the same initial weights
-    data = Dataset.from_list([{"prompt": t.prompt, "label": t.label} for t in loop.p.env.tasks("train")])
+    data = Dataset.from_list([{"prompt": t.prompt, "label": t.label} for t in loop.components.env.tasks("train")])
     Trainer, StepClock = timed_trainer(GRPOTrainer, transformers.TrainerCallback)
     miles: list[dict] = []
     clock = StepClock(lambda: miles.append(miles_step(loop, len(miles) + 1)))
@@ -144,7 +144,7 @@ def run_both(loop, init_state: dict, shape: dict, out_dir: str) -> tuple[list[di
         clock.rewards.append(sum(rewards) / len(rewards))
         return rewards
 
-    n, algo = shape["new_tokens"], loop.p.algorithm.cfg
+    n, algo = shape["new_tokens"], loop.components.algorithm.cfg
     args = GRPOConfig(
         output_dir=out_dir, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, per_device_train_batch_size=shape["prompts"] * shape["samples"],
@@ -220,7 +220,7 @@ def bench_shape(name: str, shape: dict) -> float:
     tmp = tempfile.mkdtemp(prefix=f"grpo_bench_{name}_")
     try:
         loop = build_miles(shape, os.path.join(tmp, "miles"))
-        model = loop.p.trainer.model
+        model = loop.components.trainer.model
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}
         print(f"[{name}] {shape['warmup']} warm-up + {shape['steps']} measured steps, TRL and miles "
               f"alternating ...", flush=True)

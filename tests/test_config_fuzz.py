@@ -128,7 +128,8 @@ def sections(pm) -> list[tuple[str, str | None, Any, dict]]:
             except MilesError:  # needs settings (or hardware) of its own: left out
                 continue
             out.append((section, name, comp.config, base))
-    from miles.config import RunConfig, WarmStartConfig
+    from miles.config import RunConfig
+    from miles_plugin_sft.config import WarmStartConfig
 
     out.append(("run", None, RunConfig, {}))
     out.append(("run.warm_start", None, WarmStartConfig, {}))

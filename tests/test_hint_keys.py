@@ -4,7 +4,8 @@ import ast
 import re
 from pathlib import Path
 
-from miles.config import RolloutConfig, RunConfig, WarmStartConfig
+from miles.config import RolloutConfig, RunConfig
+from miles_plugin_sft.config import WarmStartConfig
 from miles.plugins import SECTION_KINDS, make_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[1]

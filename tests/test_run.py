@@ -197,9 +197,9 @@ def test_async_run_pushes_weights_in_the_background_and_ends_on_the_last_version
     assert any("weight_push_seconds" in h for h in steps)  # the previous step's push, joined
     assert gc.get_freeze_count() == 0  # the run froze its objects for the GC, and let them go
     assert loop.mode.finish_push() == {}  # the last push was waited for
-    assert loop.p.engine.weight_version == loop.version == 4
-    want = {n: W.checksum(t) for n, t in loop.p.trainer.named_weights()}
-    W.verify([loop.p.engine], want, loop.version)
+    assert loop.components.engine.weight_version == loop.version == 4
+    want = {n: W.checksum(t) for n, t in loop.components.trainer.named_weights()}
+    W.verify([loop.components.engine], want, loop.version)
 
 
 def test_warm_start_lr_schedule_spans_the_warm_start(cli, tmp_path):

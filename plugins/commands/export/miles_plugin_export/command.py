@@ -8,7 +8,6 @@ from pathlib import Path
 
 import miles.runfolder as runfolder
 from miles import MilesError
-from miles.protocols import Exports
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
@@ -35,9 +34,7 @@ def run(args: argparse.Namespace) -> int:
                       trust_listed=args.trust_run_plugins))
     loop.build(with_engine=False)
     loop.new_trainer(found)
-    if not isinstance(loop.p.spec, Exports):
-        raise MilesError(f"model spec {loop.cfg.name('model')!r} cannot export Hugging Face folders")
     with runfolder.export_folder(to) as tmp:
-        loop.p.spec.save_pretrained(loop.p.trainer.named_weights(), loop.p.tokenizer, str(tmp))
+        loop.export(str(tmp))
     print(f"exported step {found[1]['step']} of {args.run_dir} to {args.to}")
     return 0

@@ -13,7 +13,6 @@ from typing import Any
 import yaml
 
 from miles import MilesError
-from miles.protocols import Exports
 
 from .config import LocalLauncherConfig
 from .supervisor import Supervisor
@@ -68,7 +67,9 @@ class LocalLauncher:
             return []
         model_dir = launch_dir / "engine_model"
         if not model_dir.is_dir():
-            initial_model(config, pm, str(model_dir))
+            from miles.loop import initial_model
+
+            initial_model(pm, config, str(model_dir))
         raw = dict(config.raw.get("engine") or {})
         if raw.pop("name", "torch") != "torch":
             raise MilesError("launcher.engines > 0 starts `miles serve` workers (the torch engine); "
@@ -114,26 +115,6 @@ class LocalLauncher:
                 env["CUDA_VISIBLE_DEVICES"] = str(c.trainer_devices[r])
             argv = [sys.executable, "-m", "miles.cli", "train", str(trainer_yaml)]
             sup.start(f"trainer rank {r}", "trainer", argv, env, log=None if r == 0 else f"trainer-{r}.log")
-
-
-def initial_model(config: Any, pm: Any, path: str) -> None:
-    """A Hugging Face folder with the run's architecture and tokenizer for the engines to boot
-    from; its weights are replaced by the first weight sync."""
-    from miles.loop import Loop
-
-    loop = Loop(pm, config)
-    parts = loop.build(with_engine=False)
-    model = parts.spec.build_model(parts.tokenizer)
-    if not isinstance(parts.spec, Exports):
-        raise MilesError(f"model spec {config.name('model')!r} cannot write a Hugging Face folder, "
-                         f"which launcher.engines > 0 needs; use launcher.engines: 0")
-    try:  # this process only supervises: transformers' one-shard "Writing model shards" bar is noise
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    parts.spec.save_pretrained(model.state_dict().items(), parts.tokenizer, path)
 
 
 def _flat(value: Any) -> str:

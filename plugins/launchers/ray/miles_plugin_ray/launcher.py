@@ -43,7 +43,9 @@ class RayLauncher:
         launch_dir.mkdir(parents=True, exist_ok=True)
         model_dir = launch_dir / "engine_model"
         if self.cfg.engines and not (model_dir / "config.json").is_file():
-            initial_model(config, pm, str(model_dir))
+            from miles.loop import initial_model
+
+            initial_model(pm, config, str(model_dir))
         trainer_raw = self.trainer_config(config.raw, plugins)
         previous = {s: signal.signal(s, lambda signum, _f: setattr(self, "stop_signal", signum))
                     for s in (signal.SIGINT, signal.SIGTERM)}
@@ -375,25 +377,6 @@ def record_ray(path: Path, gcs: str, dashboard: str | None, namespace: str, star
     how = (f"; dashboard {dashboard}; its actors: ray list actors --address {dashboard}" if dashboard
            else "; no dashboard")
     print(f"miles: Ray at {gcs} (namespace {namespace}){how}; recorded in {path}", file=sys.stderr, flush=True)
-
-
-def initial_model(config: Any, pm: Any, path: str) -> None:
-    """A Hugging Face folder with the run's architecture and tokenizer for the engines to boot
-    from; its weights are replaced by the first weight sync."""
-    from miles.loop import Loop
-
-    parts = Loop(pm, config).build(with_engine=False)
-    if not hasattr(parts.spec, "save_pretrained"):
-        raise MilesError(f"model spec {config.name('model')!r} cannot write a Hugging Face folder, "
-                         f"which launcher.engines > 0 needs; use launcher.engines: 0")
-    model = parts.spec.build_model(parts.tokenizer)
-    try:  # this process only supervises: transformers' one-shard progress bar is noise
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    parts.spec.save_pretrained(model.state_dict().items(), parts.tokenizer, path)
 
 
 def _read_tree(root: Path) -> dict[str, bytes]:
