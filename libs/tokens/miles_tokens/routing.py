@@ -30,3 +30,38 @@ def routed_experts_rows(samples: Sequence[Any], extension: str, layers: int, top
             raise ValueError(f"sample {row} names expert {int(rec.max())}; the model has {experts} experts")
         table[row, start:start + rec.shape[0]] = rec.long()
     return table
+
+
+# -- gate weights of the chosen experts, per router kind --------------------------------------------
+# Each repeats its architecture's own operations in order, so that for the experts a router chose
+# itself the weights are bit for bit the ones its forward returned; routing replay (R3) calls them
+# with the recorded experts and the trainer's own logits, so the gradient still reaches the router.
+
+def softmax_topk_weights(logits: Any, indices: Any, normalize: bool, cast: bool = True) -> Any:
+    """Softmax over all experts, then the chosen ones' probabilities (renormalised when
+    ``normalize``), cast back to the logits' dtype when ``cast`` (Qwen3-MoE, Qwen3-Next,
+    Qwen3.5-MoE, Mixtral)."""
+    import torch
+
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, indices)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype) if cast else weights
+
+
+def topk_softmax_weights(logits: Any, indices: Any) -> Any:
+    """Softmax over the chosen experts' logits only (gpt-oss)."""
+    import torch
+
+    chosen = logits.gather(-1, indices)
+    return torch.nn.functional.softmax(chosen, dim=1, dtype=chosen.dtype)
+
+
+def score_weights(scores: Any, indices: Any, normalize: bool, scale: float) -> Any:
+    """Per-expert scores (a sigmoid or sqrt-softplus of the logits, without the selection bias),
+    the chosen ones renormalised when ``normalize`` (with DeepSeek's 1e-20 floor), times the
+    routed scaling factor (DeepSeek-V3/V4, Kimi-K2, GLM-4.5, GLM-5)."""
+    weights = scores.gather(1, indices)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale

@@ -28,12 +28,13 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device) -> tuple[torch
             torch.tensor(mask, dtype=torch.long, device=device))
 
 
-def _repeat_cache(cache: Any, n: int) -> Any:
+def _repeat_cache(cache: Any, n: int, rows: int) -> Any:
     """The prefilled cache with every row repeated ``n`` times (samples of a prompt are adjacent)."""
     if n == 1:
         return cache
-    if hasattr(cache, "batch_repeat_interleave"):  # transformers Cache objects (in place)
-        cache.batch_repeat_interleave(n)
+    if hasattr(cache, "reorder_cache"):  # transformers Cache objects (in place), every layer kind:
+        # attention keys/values, linear-attention conv and recurrent states, compressor buffers
+        cache.reorder_cache(torch.arange(rows).repeat_interleave(n))
         return cache
     # legacy tuple-of-(key, value) caches of custom models
     return tuple(tuple(t.repeat_interleave(n, dim=0) for t in layer) for layer in cache)
@@ -174,7 +175,7 @@ class TorchEngine(WeightReceiver):
         """(prompt indices, samples per prompt) so that each chunk holds <= max_batch_size rows."""
         mbs = self.cfg.max_batch_size
         if n <= mbs:
-            per = mbs // n
+            per = 1 if self._one_prompt else mbs // n
             for s in range(0, num, per):
                 yield list(range(s, min(s + per, num))), n
         else:
@@ -196,7 +197,7 @@ class TorchEngine(WeightReceiver):
         ids, mask = _left_pad(prompts, self.pad_id, self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self._forward(ids, mask, pos, **self._keep_last)
-        cache = _repeat_cache(getattr(out, self._cache_kw), n)
+        cache = _repeat_cache(getattr(out, self._cache_kw), n, ids.shape[0])
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         rows, width = ids.shape[0] * n, ids.shape[1]
         # the mask only ever grows by ones, so preallocate it and hand the model a growing view

@@ -9,7 +9,7 @@ def miles_register_model_specs(register):
     register("hf", _make, config=HFModelConfig)
 
 
-def _make(cfg, **_):
+def _make(cfg, *, pm=None, **_):
     from .spec import HFModelSpec
 
-    return HFModelSpec(cfg)
+    return HFModelSpec(cfg, pm)

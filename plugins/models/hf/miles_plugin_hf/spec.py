@@ -5,13 +5,34 @@ from typing import Any
 
 import torch
 from miles import MilesError
+from miles.protocols import Architecture
 
 from .config import HFModelConfig
 
 
 class HFModelSpec:
-    def __init__(self, cfg: HFModelConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: HFModelConfig, pm: Any = None):
+        self.cfg, self._pm = cfg, pm
+        self._arch: list[Architecture | None] = []  # looked up once, on first use
+
+    def model_type(self) -> str | None:
+        if self.cfg.config is not None:
+            return self.cfg.config["model_type"]
+        import json
+        from pathlib import Path
+
+        return json.loads((Path(self.cfg.path) / "config.json").read_text()).get("model_type")
+
+    def architecture(self) -> Architecture | None:
+        """The ``Architecture`` an installed plugin registers for this model's ``model_type``."""
+        if not self._arch:
+            from miles import make_plugin_manager
+
+            pm = self._pm if self._pm is not None else make_plugin_manager()
+            model_type = self.model_type()
+            found = model_type is not None and model_type in pm.registry("architectures")
+            self._arch.append(pm.create("architectures", model_type, None) if found else None)
+        return self._arch[0]
 
     def build_tokenizer(self, default: Any = None) -> Any:
         from transformers import AutoTokenizer

@@ -1,23 +1,22 @@
 """Routers that record or replay the experts each token is sent to.
 
-Each mixture-of-experts block's router module (``mlp.gate`` in Qwen3-MoE, ``mlp.gate`` /
-``block_sparse_moe.gate`` in Mixtral) is replaced by a :class:`ReplayRouter` that owns the same
-``weight`` parameter under the same name (checkpoints, weight sync and export are unchanged) and
-returns what the original returns: ``(router_logits, top_k_weights, top_k_index)``.
-
-One :class:`RoutingState` is shared by a model's routers. In ``record`` mode every router
-appends its chosen expert ids; in ``replay`` mode the ids come from ``state.replay``
-``[tokens, moe_layers, top_k]`` (a row of -1 means: route that token as usual), and the gate
-weights are the softmax of the router's own logits at those experts, so gradients still reach
-the router.
+Each mixture-of-experts router (the modules an architecture's ``RoutesExperts.routers`` lists, or
+the built-in Qwen3-MoE / Mixtral ones) keeps its own module, parameters and forward; a forward
+hook sees what it returned, ``(router_logits, top_k_weights, top_k_index)``. In ``record`` mode
+the hook appends the chosen expert ids; in ``replay`` mode it swaps in the ids of ``state.replay``
+``[tokens, moe_layers, top_k]`` (a row of -1 means: keep the router's own choice) and the weights
+the architecture gives those experts from the router's own logits, so gradients still reach the
+router. Checkpoints, weight sync, export and FSDP2 see the unchanged Hugging Face modules.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-import torch.nn.functional as F
+from miles.protocols import RoutesExperts
+from miles_tokens.routing import softmax_topk_weights
 
 ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "MixtralTopKRouter")
 
@@ -60,57 +59,58 @@ class RoutingState:
         return [torch.stack(log[i:i + L], dim=1).cpu() for i in range(0, len(log), L)]
 
 
-class ReplayRouter(torch.nn.Module):
-    """A top-k softmax router (Qwen3-MoE / Mixtral semantics) that can record or replay."""
+class RouterHook:
+    """The forward hook of one router (layer ``layer`` of the shared ``state``)."""
 
-    def __init__(self, gate: torch.nn.Module, layer: int, state: RoutingState, normalize: bool,
-                 cast_weights: bool):
-        super().__init__()
-        self.weight = gate.weight  # the same Parameter: names and optimizer state are unchanged
-        self.top_k, self.num_experts, self.hidden_dim = gate.top_k, gate.num_experts, gate.hidden_dim
-        self.layer, self.normalize, self.cast_weights = layer, normalize, cast_weights
-        self._state = [state]  # in a list: a plain attribute would register nothing, but stays out of repr
+    def __init__(self, rules: RoutesExperts, layer: int, state: RoutingState):
+        self.rules, self.layer, self.state = rules, layer, state
 
-    @property
-    def state(self) -> RoutingState:
-        return self._state[0]
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = F.linear(hidden_states, self.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
+    def __call__(self, router: torch.nn.Module, args: Any, output: Any) -> Any:
+        logits, weights, index = output
         state = self.state
-        if state.mode == "replay":
-            forced = state.replay[:, self.layer].to(probs.device)
-            if forced.shape[0] != probs.shape[0]:
-                raise ValueError(f"routing replay: {forced.shape[0]} recorded tokens for a forward of "
-                                 f"{probs.shape[0]} tokens")
-            own = probs.topk(self.top_k, dim=-1).indices
-            index = torch.where(forced[:, :1] >= 0, forced, own)
-        else:
-            index = probs.topk(self.top_k, dim=-1).indices
-            if state.mode == "record":
-                state.log.append(index.to(torch.int32))
-        weights = probs.gather(-1, index)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.cast_weights:
-            weights = weights.to(logits.dtype)
-        return logits, weights, index
+        if state.mode == "record":
+            state.log.append(index.to(torch.int32))
+        if state.mode != "replay":
+            return None
+        forced = state.replay[:, self.layer].to(index.device)
+        if forced.shape[0] != index.shape[0]:
+            raise ValueError(f"routing replay: {forced.shape[0]} recorded tokens for a forward of "
+                             f"{index.shape[0]} tokens")
+        given = forced[:, :1] >= 0  # tokens without a record keep the router's own choice and weights
+        index = torch.where(given, forced, index)
+        replayed = self.rules.gate_weights(router, logits, index)
+        return logits, torch.where(given, replayed, weights), index
 
 
-def install(model: torch.nn.Module) -> RoutingState:
-    """Replace every MoE router of ``model`` by a :class:`ReplayRouter` sharing one state."""
-    gates = [(name, mod) for name, mod in model.named_modules() if type(mod).__name__ in ROUTER_CLASSES]
-    if not gates:
-        raise ValueError(f"{type(model).__name__} has no mixture-of-experts router "
-                         f"(supported: {', '.join(ROUTER_CLASSES)}); use model_type qwen3_moe or mixtral")
-    first = gates[0][1]
-    state = RoutingState(len(gates), first.top_k, first.num_experts)
-    for layer, (name, gate) in enumerate(gates):
-        qwen = type(gate).__name__.startswith("Qwen3")
-        normalize = bool(gate.norm_topk_prob) if qwen else True  # Mixtral always renormalises
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, attr, ReplayRouter(gate, layer, state, normalize, cast_weights=qwen))
+class BuiltinRouters:
+    """Qwen3-MoE and Mixtral: softmax over the experts, then top-k (Qwen3-MoE renormalises when
+    ``norm_topk_prob`` and casts back to the logits' dtype; Mixtral always renormalises)."""
+
+    def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return [m for m in model.modules() if type(m).__name__ in ROUTER_CLASSES]
+
+    def gate_weights(self, router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        qwen = type(router).__name__.startswith("Qwen3")
+        return softmax_topk_weights(logits, indices, bool(router.norm_topk_prob) if qwen else True, cast=qwen)
+
+
+def install(model: torch.nn.Module, rules: RoutesExperts | None = None) -> RoutingState:
+    """Hook every MoE router of ``model`` (those ``rules`` lists; default: the built-in Qwen3-MoE
+    and Mixtral routers) to one shared state."""
+    rules = rules if rules is not None else BuiltinRouters()
+    routers = rules.routers(model)
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no mixture-of-experts router that routing replay knows")
+    state = RoutingState(len(routers), routers[0].top_k, routers[0].num_experts)
+    for layer, router in enumerate(routers):
+        router.register_forward_hook(RouterHook(rules, layer, state))
     return state
+
+
+def find_state(model: torch.nn.Module) -> RoutingState | None:
+    """The state ``install`` hooked ``model``'s routers to (a deep copy of a model has its own)."""
+    for mod in model.modules():
+        for hook in mod._forward_hooks.values():
+            if isinstance(hook, RouterHook):
+                return hook.state
+    return None

@@ -21,19 +21,20 @@ from typing import Any
 
 import torch
 from miles import Batch, MilesError
+from miles.protocols import Architecture, KnowsArchitecture, RoutesExperts
 from miles_tokens import routed_experts_rows
 
 from .config import MoESpecConfig, resolve_base
-from .router import ReplayRouter, RoutingState, install
+from .router import RoutingState, find_state, install
 
 EXTENSION = "moe"  # Sample.extensions key (the plugin id)
 
 
 def routing_state(model: torch.nn.Module) -> RoutingState:
     """The routing state shared by ``model``'s replayable routers (copies of a model have their own)."""
-    for mod in model.modules():
-        if isinstance(mod, ReplayRouter):
-            return mod.state
+    state = find_state(model)
+    if state is not None:
+        return state
     raise MilesError(f"{type(model).__name__} was not built by the moe model spec (no replayable router)")
 
 
@@ -51,16 +52,23 @@ class MoESpec:
         pm = pm if pm is not None else make_plugin_manager()
         name, settings = resolve_base(cfg.base, pm)
         self.base = pm.create("model_specs", name, settings, pm=pm)
+        self._known = sorted(pm.registry("architectures"))
+
+    def architecture(self) -> Architecture | None:
+        return self.base.architecture() if isinstance(self.base, KnowsArchitecture) else None
 
     def build_tokenizer(self, default: Any = None) -> Any:
         return self.base.build_tokenizer(default)
 
     def build_model(self, tokenizer: Any) -> torch.nn.Module:
         model = self.base.build_model(tokenizer)
+        arch = self.architecture()
         try:
-            install(model)
+            install(model, arch if isinstance(arch, RoutesExperts) else None)
         except ValueError as e:
-            raise MilesError(f"model.name moe: {e}") from None
+            plugins = f"; architecture plugins installed: {', '.join(self._known)}" if self._known else ""
+            raise MilesError(f"model.name moe: {e}: use model_type qwen3_moe or mixtral (built in), or one "
+                             f"an architecture plugin registers with routers{plugins}") from None
         return model
 
     def save_pretrained(self, named_weights: Iterable[tuple[str, torch.Tensor]], tokenizer: Any,

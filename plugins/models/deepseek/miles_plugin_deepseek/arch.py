@@ -1,0 +1,63 @@
+"""What miles needs to know about the DeepSeek families beyond transformers' own modules.
+
+DeepSeek-V3 (and Kimi-K2, the same architecture) routes with a sigmoid per expert plus a
+selection-only bias (``e_score_correction_bias``) and group-limited top-k; the chosen experts'
+sigmoid scores are renormalised and scaled. DeepSeek-V4 scores with sqrt-softplus, has no groups,
+and its first MoE layers route by a fixed token-id table (hash routing). Its attention compresses
+the keys of each window of ``compress_rate`` tokens by absolute position and ignores the padding
+mask, so rows of different lengths must not share a forward.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from miles_tokens.routing import score_weights
+
+
+class DeepseekV3:
+    padded_batches = True
+
+    def check_config(self, config: dict[str, Any]) -> list[str]:
+        experts, groups = config.get("n_routed_experts", 256), config.get("n_group", 8)
+        top_groups, top_k = config.get("topk_group", 4), config.get("num_experts_per_tok", 8)
+        problems = []
+        if experts % groups:
+            problems.append(f"model.config.n_routed_experts ({experts}) must be a multiple of n_group ({groups})")
+        elif top_groups > groups:
+            problems.append(f"model.config.topk_group ({top_groups}) must be at most n_group ({groups})")
+        elif top_k > experts // groups * top_groups:
+            problems.append(f"model.config.num_experts_per_tok ({top_k}) must be at most the experts of "
+                            f"topk_group groups ({experts // groups * top_groups})")
+        if config.get("qk_rope_head_dim", 64) % 2:
+            problems.append("model.config.qk_rope_head_dim must be even (rotary embeddings)")
+        return problems
+
+    def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+        return [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
+
+    def gate_weights(self, router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return score_weights(logits.sigmoid(), indices, router.norm_topk_prob, router.routed_scaling_factor)
+
+
+class DeepseekV4:
+    padded_batches = False
+
+    def check_config(self, config: dict[str, Any]) -> list[str]:
+        layers = config.get("num_hidden_layers", 43)
+        problems = [f"model.config.{key} has {len(config[key])} entries; num_hidden_layers is {layers}"
+                    for key in ("layer_types", "mlp_layer_types") if key in config and len(config[key]) != layers]
+        if config.get("num_experts_per_tok", 6) > config.get("n_routed_experts", 256):
+            problems.append("model.config.num_experts_per_tok must be at most n_routed_experts")
+        return problems
+
+    def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
+
+        return [m for m in model.modules() if isinstance(m, (DeepseekV4TopKRouter, DeepseekV4HashRouter))]
+
+    def gate_weights(self, router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        # hash layers too: the table picks the experts, the learned scores weigh them
+        return score_weights(router.score_fn(logits), indices, True, router.routed_scaling_factor)

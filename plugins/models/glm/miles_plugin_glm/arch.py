@@ -1,0 +1,57 @@
+"""What miles needs to know about the GLM MoE families beyond transformers' own modules.
+
+GLM-4.5 to 4.7 and GLM-5 route like DeepSeek-V3: a sigmoid per expert plus a selection-only
+bias, group-limited top-k, the chosen scores renormalised and scaled. GLM-5's DeepSeek sparse
+attention picks each query's keys with an indexer's top-k; over a left-padded decode cache that
+choice differs from the unpadded one, so each prompt's samples run on their own in the engine.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from miles_tokens.routing import score_weights
+
+
+def _group_problems(config: dict[str, Any]) -> list[str]:
+    experts, groups = config.get("n_routed_experts", 128), config.get("n_group", 1)
+    top_groups, top_k = config.get("topk_group", 1), config.get("num_experts_per_tok", 8)
+    if experts % groups:
+        return [f"model.config.n_routed_experts ({experts}) must be a multiple of n_group ({groups})"]
+    if top_groups > groups:
+        return [f"model.config.topk_group ({top_groups}) must be at most n_group ({groups})"]
+    if top_k > experts // groups * top_groups:
+        return [f"model.config.num_experts_per_tok ({top_k}) must be at most the experts of topk_group "
+                f"groups ({experts // groups * top_groups})"]
+    return []
+
+
+class _SigmoidRouted:
+    router_class = ""
+
+    def check_config(self, config: dict[str, Any]) -> list[str]:
+        return _group_problems(config)
+
+    def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return [m for m in model.modules() if type(m).__name__ == self.router_class]
+
+    def gate_weights(self, router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return score_weights(logits.sigmoid(), indices, router.norm_topk_prob, router.routed_scaling_factor)
+
+
+class Glm4Moe(_SigmoidRouted):
+    padded_batches = True
+    router_class = "Glm4MoeTopkRouter"
+
+
+class GlmMoeDsa(_SigmoidRouted):
+    padded_batches = False
+    router_class = "GlmMoeDsaTopkRouter"
+
+    def check_config(self, config: dict[str, Any]) -> list[str]:
+        problems = _group_problems(config)
+        layers = config.get("num_hidden_layers", 78)
+        problems += [f"model.config.{key} has {len(config[key])} entries; num_hidden_layers is {layers}"
+                     for key in ("layer_types", "mlp_layer_types", "indexer_types")
+                     if key in config and len(config[key]) != layers]
+        return problems

@@ -1,0 +1,38 @@
+"""What miles needs to know about Qwen3-Next and Qwen3.5/3.6 MoE beyond transformers' own modules.
+
+Both interleave gated DeltaNet linear attention (a convolution and a recurrent state per
+sequence, held by transformers' ``LinearAttentionLayer`` cache; padding is masked before both)
+with gated full attention, and route with a softmax over the experts, then top-k, renormalised
+(Qwen3-Next when ``norm_topk_prob``, Qwen3.5 always) and cast back to the logits' dtype.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from miles_tokens.routing import softmax_topk_weights
+
+ROUTERS = ("Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter")
+
+
+class Qwen3Next:
+    padded_batches = True
+
+    def check_config(self, config: dict[str, Any]) -> list[str]:
+        problems = []
+        layers = config.get("num_hidden_layers")
+        if layers is not None and "layer_types" in config and len(config["layer_types"]) != layers:
+            problems.append(f"model.config.layer_types has {len(config['layer_types'])} entries; "
+                            f"num_hidden_layers is {layers}")
+        k, v = config.get("linear_num_key_heads", 16), config.get("linear_num_value_heads", 32)
+        if v % k:
+            problems.append(f"model.config.linear_num_value_heads ({v}) must be a multiple of "
+                            f"linear_num_key_heads ({k})")
+        return problems
+
+    def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return [m for m in model.modules() if type(m).__name__ in ROUTERS]
+
+    def gate_weights(self, router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        normalize = bool(getattr(router, "norm_topk_prob", True))  # Qwen3.5's router has no switch
+        return softmax_topk_weights(logits, indices, normalize)
