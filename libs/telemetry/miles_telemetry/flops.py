@@ -143,3 +143,21 @@ class Throughput:
             if self.peak:
                 out["mfu"] = tflops / self.peak
         return out
+
+
+def for_device(config: Any, world_size: int, device: Any, precision: str,
+               peak_override: float | None = None) -> Throughput:
+    """A trainer's ``Throughput`` on a torch ``device``: a GPU's peak by its CUDA name, a CPU's
+    estimated from the cores torch computes on."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return Throughput(config, world_size, torch.cuda.get_device_name(device), precision, peak_override)
+    return Throughput(config, world_size, "cpu", precision, peak_override, torch.get_num_threads())
+
+
+def seq_lens(batch: Any) -> list[int]:
+    """Tokens per row of a padded training batch (its attention mask), or none for a batch of
+    non-token actions."""
+    mask = getattr(batch, "attention_mask", None)
+    return [] if mask is None else [int(x) for x in mask.sum(-1).tolist()]

@@ -26,6 +26,9 @@ class FSDP2Config(BaseModel):
     eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, allow_inf_nan=False, description="max global grad norm "
                                     "(null = off)")
+    peak_tflops: float | None = Field(None, gt=0, description="the device's peak TFLOP/s for the mfu metric "
+                                      "(default: a table of GPUs by name; a CPU's is estimated from its cores, "
+                                      "clock and vector width)")
     micro_batch_size: int | None = Field(None, gt=0, description="rows per forward/backward on each "
                                          "rank (gradient accumulation); null = a rank's whole share "
                                          "at once")

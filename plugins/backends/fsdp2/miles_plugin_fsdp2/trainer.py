@@ -13,10 +13,12 @@ import copy
 import functools
 import inspect
 import itertools
+import time
 from typing import Any, Iterable, Iterator
 
 import torch
 from miles_fastpath.schedule import Tally, lr_lambda, step_or_skip
+from miles_telemetry.flops import for_device, seq_lens
 from miles_fastpath import cpu_gemm
 from miles_rlmath.logprobs import token_logprobs
 
@@ -146,6 +148,9 @@ class FSDP2Trainer:
         self.gemm = (cpu_gemm.for_model("trainer.cpu_gemm", cfg.cpu_gemm, self.model)
                      if self.device.type == "cpu" else "mkl")
         self.workers = self._workers()
+        low = cfg.mixed_precision == "bf16" or next(self.model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        self.throughput = for_device(getattr(self.model, "config", None) or {}, self.world_size, self.device,
+                                     "bf16" if low else "fp32", cfg.peak_tflops)  # mfu, tokens/GPU/s
         # the exact routine train_step scores log-probs with (the same GEMMs, and slices): true
         # on-policy engines apply it to their own copy of the weights, so rollout and training
         # log-probs agree bit for bit
@@ -256,6 +261,11 @@ class FSDP2Trainer:
         return dist_.gather_rows(local, counts).cpu()
 
     def train_step(self, batch: Batch, loss_fn) -> dict[str, float]:
+        t0 = time.perf_counter()
+        out = self._train_step(batch, loss_fn)  # its metrics are floats: the device is done
+        return {**out, **self.throughput.metrics(seq_lens(batch), time.perf_counter() - t0)}
+
+    def _train_step(self, batch: Batch, loss_fn) -> dict[str, float]:
         tally = Tally()
         # the whole batch to the device in one go: a copy per micro-batch would wait for the GPU
         for mb, real, shared in self._plan(self._to(batch))[0]:

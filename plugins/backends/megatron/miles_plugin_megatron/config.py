@@ -45,6 +45,9 @@ class MegatronConfig(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm (null = off)")
+    peak_tflops: float | None = Field(None, gt=0, description="the device's peak TFLOP/s for the mfu metric "
+                                      "(default: a table of GPUs by name; a CPU's is estimated from its cores, "
+                                      "clock and vector width)")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up, in optimizer steps")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed LR, as a fraction of lr")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -18,7 +19,9 @@ import torch
 import torch.distributed as dist
 from miles_fastpath.schedule import Tally, lr_lambda, step_or_skip
 from miles_rlmath.logprobs import fused_available, token_logprobs
+from miles_telemetry.flops import for_device, seq_lens
 from miles import Batch, MilesError
+from miles.protocols import EditsMegatronLayers
 
 from . import arch as arch_
 from . import compute as compute_
@@ -59,6 +62,8 @@ class MegatronTrainer:
         torch.manual_seed(seed)  # the same seed on every rank: identical initial weights
         hf = spec.build_model(tokenizer)  # the source of the config and the initial weights
         self.arch = arch_.arch_of(hf.config)
+        self.throughput = for_device(hf.config, self.world_size, self.device, cfg.precision,
+                                     cfg.peak_tflops)  # mfu, tokens/GPU/s
         par.check_layout(cfg, self.arch, self.world_size)
         self.tp, self.ep, self.pp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel
         self.vp = cfg.virtual_pipeline_parallel
@@ -79,7 +84,7 @@ class MegatronTrainer:
         self.fused_experts = any(k.endswith("experts.gate_up_proj") for k in hf_state)
         # R3: the spec records routing, so the MoE routers replay the rollout's experts
         self.replay = replay_.table_for(spec, hf, self.arch)
-        self.edit = _edits(getattr(spec, "megatron_layer_spec", None),  # optional model-spec hook
+        self.edit = _edits(spec.megatron_layer_spec if isinstance(spec, EditsMegatronLayers) else None,
                            replay_.spec_edit(self.replay) if self.replay is not None else None)
         self.model, self.compute = self._build(), None
         self._load_full(convert.hf_to_full(hf_state, self.arch, self.tp))
@@ -300,6 +305,11 @@ class MegatronTrainer:
         return pipeline.from_last_stage(result) if self.pp > 1 else result
 
     def train_step(self, batch: Batch, loss_fn: Any) -> dict[str, float]:
+        t0 = time.perf_counter()
+        out = self._train_step(batch, loss_fn)  # its metrics are floats: the device is done
+        return {**out, **self.throughput.metrics(seq_lens(batch), time.perf_counter() - t0)}
+
+    def _train_step(self, batch: Batch, loss_fn: Any) -> dict[str, float]:
         totals, loss_sum = self._loss(self.policy_module(), batch, self._forward, self._from_logits, loss_fn)
         if self.pp > 1 and self.arch.tied:
             pipeline.sum_tied_grads(self.model)
