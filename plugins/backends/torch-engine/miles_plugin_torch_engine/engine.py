@@ -121,6 +121,14 @@ class TorchEngine(WeightReceiver):
         self._routing = RoutingLog.for_spec(spec, self.model)
         if self._routing is not None and self._fast is not None:
             raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
+        # an architecture whose layers do not mask left padding (e.g. token compression by absolute
+        # position) generates each prompt's samples on their own: one prompt per forward
+        from miles.protocols import KnowsArchitecture
+
+        arch = spec.architecture() if isinstance(spec, KnowsArchitecture) else None
+        self._one_prompt = arch is not None and not arch.padded_batches
+        if self._one_prompt and self._fast is not None:
+            raise ValueError("torch engine: this architecture runs the model's own forward; set engine.impl=hf")
         self._p2p: Any = None
 
     def p2p_state(self) -> Any:

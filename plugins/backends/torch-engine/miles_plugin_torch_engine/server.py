@@ -205,6 +205,9 @@ def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str
     from .p2p import mount_p2p_routes
 
     mount_p2p_routes(app, engine, scheduler)  # /p2p/open, /p2p/commit (NIXL imported on first use)
+    from .metrics_route import mount_metrics_route
+
+    mount_metrics_route(app, engine, scheduler)  # /metrics: Prometheus text
     # outermost: checks the key before reading any body, then sees every body
     app.add_middleware(Guard, max_body_bytes=int(lim.max_body_mb * 2**20), api_key=api_key,
                        body_timeout_s=lim.body_timeout_s)

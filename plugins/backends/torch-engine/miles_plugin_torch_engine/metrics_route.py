@@ -1,0 +1,32 @@
+"""``GET /metrics``: the server's gauges and counters in Prometheus' text format, under the stable
+names of ``miles_telemetry.prom`` (``miles_engine_*``), behind the same API key as every route."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Response
+
+COUNTERS = {"num_requests": "engine_requests_total", "num_batches": "engine_batches_total",
+            "num_engine_calls": "engine_calls_total", "num_aborted": "engine_aborted_requests_total",
+            "num_cancelled": "engine_cancelled_requests_total", "cancelled_tokens": "engine_cancelled_tokens_total"}
+HELP = {"engine_requests_running": "requests in the batch on the engine now",
+        "engine_requests_queued": "requests waiting for the engine", "engine_weight_version": "weight version served",
+        "engine_paused": "1 while generation is paused (a weight update)",
+        "engine_requests_total": "generation requests received"}
+
+
+def mount_metrics_route(app: FastAPI, engine: Any, scheduler: Any) -> None:
+    from miles_telemetry.prom import CONTENT_TYPE, exposition, registry
+
+    def snapshot() -> tuple[dict[str, float], dict[str, float]]:
+        stats = dict(scheduler.stats)
+        gauges = {"engine_requests_running": stats.get("num_running", 0), "engine_requests_queued": scheduler.num_waiting,
+                  "engine_weight_version": engine.weight_version, "engine_paused": float(bool(scheduler.paused))}
+        return gauges, {name: stats[key] for key, name in COUNTERS.items() if key in stats}
+
+    reg = registry(snapshot, helps=HELP)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text exposition (``prometheus_client``)."""
+        return Response(exposition(reg), media_type=CONTENT_TYPE)
