@@ -20,7 +20,7 @@ from .types import Group, Sample, Task
 from miles_tinypolicy import char_tokenizer
 
 __all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration",
-           "listening_port", "run_module", "assert_usage_error", "require_commands"]
+           "listening_port", "run_module", "assert_usage_error", "require_commands", "served", "fit_answers"]
 
 
 @pytest.fixture
@@ -120,3 +120,55 @@ def require_commands(packages: dict[str, str]) -> None:
             pytest.fail(f"`{' '.join(args)}` failed ({p.returncode}): {p.stderr[-1500:]}")
     still = [cmd for cmd in packages if shutil.which(cmd) is None]
     assert not still, f"{fix} did not provide {', '.join(still)}"
+
+
+@contextlib.contextmanager
+def served(folder: Any, *args: str, timeout: float = 180) -> Iterator[str]:
+    """``miles serve FOLDER --port 0 ARGS`` in a subprocess while the block runs; yields its base URL
+    (``http://127.0.0.1:PORT``). A server that does not come up fails with the tail of its log."""
+    import threading
+    from pathlib import Path
+
+    log = Path(folder).parent / f"{Path(folder).name}.serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", "0", *args],
+                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        assert line and "listening on http://" in line[0], f"{line}\n{log.read_text()[-3000:]}"
+        yield line[0].strip().rsplit(" ", 1)[1]
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def fit_answers(model: Any, rows: Sequence[tuple[list[int], int]], pad_id: int, steps: int = 400,
+                lr: float = 1e-2) -> Any:
+    """Train a tiny causal LM until it answers by heart: ``rows`` are ``(token ids, prompt length)``;
+    only the tokens after the prompt are learnt (a few seconds on one thread). Returns it in eval mode."""
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r, _ in rows])
+    labels = ids.clone()
+    for i, (r, p) in enumerate(rows):
+        labels[i, :p] = -100
+        labels[i, len(r):] = -100
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only contend
+    try:
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=labels).loss
+            if loss.item() < 0.005:
+                break
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()

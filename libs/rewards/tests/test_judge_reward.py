@@ -1,19 +1,13 @@
 """The judge reward against a real ``miles serve``: a tiny chat model trained for a few seconds to
 grade two answers (``score:9`` / ``score:1``), so score parsing runs on what the engine really
 generates; then a dead endpoint and a silent one, which must cost bounded time."""
-import os
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from miles.testing import char_tokenizer, listening_port
+from miles.testing import char_tokenizer, fit_answers, listening_port, served
 from miles_rewards import make_reward
 
-ROOT = Path(__file__).resolve().parents[3]
 # no spaces anywhere: saved beside a Qwen2 config, the character tokenizer loads back with a
 # byte-level pre-tokenizer that drops them
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz[]:;+=.?"
@@ -39,26 +33,7 @@ def train_judge(tok):
                                          add_generation_prompt=True)
         p, g = tok.encode(prompt, add_special_tokens=False), tok.encode(grade, add_special_tokens=False)
         rows.append((p + g + [tok.eos_token_id], len(p)))
-    width = max(len(r) for r, _ in rows)
-    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in rows])
-    labels = ids.clone()
-    for i, (r, p) in enumerate(rows):
-        labels[i, :p] = -100
-        labels[i, len(r):] = -100
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        for _ in range(400):
-            loss = model(input_ids=ids, labels=labels).loss
-            if loss.item() < 0.005:
-                break
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    return model
+    return fit_answers(model, rows, tok.pad_token_id)
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +42,8 @@ def judge_url(tmp_path_factory):
     tok = char_tokenizer(CHARS, TEMPLATE)
     train_judge(tok).save_pretrained(folder)
     tok.save_pretrained(folder)
-    log = folder / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", "0"], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
-    try:
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(120)
-        assert line and "listening on http://" in line[0], f"{line}; {log.read_text()[-2000:]}"
-        yield line[0].strip().rsplit(" ", 1)[1] + "/v1"
-    finally:
-        proc.kill()
-        proc.wait(30)
+    with served(folder) as url:
+        yield url + "/v1"
 
 
 def test_scores_parsed_from_the_served_judges_replies(judge_url):

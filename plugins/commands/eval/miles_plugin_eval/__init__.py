@@ -1,5 +1,6 @@
-"""Command ``miles eval CONFIG [key=value ...]``: the run's evaluation (greedy, on the env's eval
-split) of the newest intact checkpoint in ``run.out_dir``, printed as one JSON line."""
+"""Command ``miles eval CONFIG [--samples N] [--k K] [--show N] [key=value ...]``: the newest intact
+checkpoint in ``run.out_dir`` evaluated on the env's eval split (greedy, or N samples per prompt
+for pass@k and maj@k), printed as one JSON line."""
 from typing import Any
 
 from miles import hookimpl

@@ -21,19 +21,21 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--samples", type=int, metavar="N", help="samples per eval prompt, drawn at the rollout "
                     "temperature (default: one greedy sample)")
     sp.add_argument("--k", type=int, action="append", metavar="K", help="k of pass@k and maj@k (repeatable; "
-                    "default: 1 and N)")
+                    "default: N; k=1 is always reported)")
     sp.add_argument("--temperature", type=float, help="sampling temperature with --samples (default: "
                     "rollout.temperature)")
     sp.add_argument("--limit", type=int, metavar="M", help="evaluate the first M eval prompts only")
     sp.add_argument("--show", type=int, default=0, metavar="N", help="print N prompts with their responses, "
                     "answers and rewards")
+    sp.add_argument("--untrained", action="store_true", help="evaluate the initial model when run.out_dir "
+                    "holds no checkpoint (a baseline), instead of refusing")
 
 
 def _check(args: argparse.Namespace) -> tuple[int, list[int]]:
     from miles import MilesError
 
     n = args.samples if args.samples is not None else max(args.k or [1])
-    ks = sorted(set(args.k or ([1, n] if n > 1 else [1])))
+    ks = sorted({1, *(args.k or [n])})
     bad = [f"--{name} must be positive (got {v})" for name, v in (("samples", n), ("limit", args.limit))
            if v is not None and v < 1]
     bad += [f"--show must be >= 0 (got {args.show})"] if args.show < 0 else []
@@ -53,8 +55,12 @@ def run(args: argparse.Namespace) -> int:
 
     n, ks = _check(args)
     loop = Loop(*load(args.config, args.overrides, args.plugin or []))
+    found = runfolder.latest(loop.cfg.run.out_dir)
+    if found is None and not args.untrained:  # an untrained model's figures must not pass for the run's
+        raise MilesError(f"miles eval: {loop.cfg.run.out_dir} holds no intact checkpoint (missing, empty or "
+                         f"not a run folder); train first (miles train), point run.out_dir at a run folder, "
+                         f"or pass --untrained to evaluate the initial model")
     loop.build()
-    found = runfolder.latest(loop.cfg.run.out_dir)  # none: the freshly initialised model
     loop.new_trainer(found)
     loop.sync()
     service, env = loop.rollouts, loop.rollouts.env
