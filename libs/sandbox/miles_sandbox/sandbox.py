@@ -13,6 +13,7 @@ The working directory lives in a tmpfs of the private mount namespace, so it dis
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -29,10 +30,14 @@ from pathlib import Path
 
 from miles import MilesError
 
+from . import cgroup
+
 LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
 SETUP_FAILED = 125  # the launcher's exit status when it could not set the sandbox up
 SANDBOX_DIR = "/tmp/sandbox"  # the code's working directory (inside the private /tmp)
+# host folders the code sees (read-only): programs, libraries and system configuration
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
 
 class SandboxError(MilesError):
@@ -42,10 +47,12 @@ class SandboxError(MilesError):
 @dataclass(frozen=True)
 class Limits:
     """Per-run limits. ``cpu_s`` defaults to the wall-clock timeout (rounded up); every process
-    of the run gets these rlimits. ``max_procs`` counts threads too (Linux RLIMIT_NPROC)."""
+    of the run gets these rlimits. ``max_procs`` counts threads too (Linux RLIMIT_NPROC).
+    ``memory_mb`` bounds all the run's processes together: one cgroup holds them where the host
+    allows it, else the run gets fewer processes, each with a share (``SandboxResult.memory_bound``)."""
 
     cpu_s: int | None = None
-    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    memory_mb: int = 1024  # all processes of the run together
     max_procs: int = 64
     file_size_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE)
     open_files: int = 256
@@ -56,7 +63,9 @@ class Limits:
 @dataclass(frozen=True)
 class SandboxResult:
     """What the caller gets back from every run (failures of the code are results, not errors).
-    ``returncode`` is negative when a signal ended the code (-9: killed, e.g. at the timeout)."""
+    ``returncode`` is negative when a signal ended the code (-9: killed, e.g. at the timeout or for
+    memory). ``memory_bound`` says how ``Limits.memory_mb`` was enforced; ``memory_peak_mb`` is the
+    run's peak (all processes together) where a cgroup measured it."""
 
     stdout: str
     stderr: str
@@ -65,32 +74,37 @@ class SandboxResult:
     truncated: bool = False
     duration_s: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    memory_bound: str = ""
+    memory_peak_mb: float | None = None
 
 
 def run_python(code: str, timeout_s: float = 10.0, *, limits: Limits | None = None,
                network: str = "deny", files: dict[str, str] | None = None, stdin: str = "",
-               hide: list[str] | tuple[str, ...] = ()) -> SandboxResult:
+               hide: list[str] | tuple[str, ...] = (), allow: list[str] | tuple[str, ...] = ()) -> SandboxResult:
     """Run ``code`` as ``main.py`` with this interpreter (``-E -s``: no PYTHON* variables, no
     user site-packages) in the sandbox; see ``run_shell`` for the other arguments."""
     return _run([sys.executable, "-E", "-s", "main.py"], "main.py", code, timeout_s, limits,
-                network, files, stdin, hide)
+                network, files, stdin, hide, allow)
 
 
 def run_shell(command: str, timeout_s: float = 10.0, *, limits: Limits | None = None,
               network: str = "deny", files: dict[str, str] | None = None, stdin: str = "",
-              hide: list[str] | tuple[str, ...] = (), shell: str = "/bin/sh") -> SandboxResult:
+              hide: list[str] | tuple[str, ...] = (), allow: list[str] | tuple[str, ...] = (),
+              shell: str = "/bin/sh") -> SandboxResult:
     """Run the shell script ``command`` in the sandbox.
 
     ``network``: "deny" (default; raises ``SandboxError`` when no network namespace can be made)
     or "allow". ``files``: extra files (relative path -> text) written into the working
-    directory. ``stdin``: the code's standard input. ``hide``: more host paths to cover with an
-    empty read-only directory (the caller's working directory and ``$HOME`` always are)."""
+    directory. ``stdin``: the code's standard input. The code sees only the system folders
+    (``SYSTEM_PATHS``) and the interpreter's prefix of the host, read-only; ``allow``: more host
+    paths to show it (read-only). ``hide``: paths inside those to cover with an empty read-only
+    directory (the caller's working directory and ``$HOME`` always are)."""
     return _run([shell, "script.sh"], "script.sh", command, timeout_s, limits, network, files,
-                stdin, hide)
+                stdin, hide, allow)
 
 
 def _run(argv: list[str], name: str, code: str, timeout_s: float, limits: Limits | None,
-         network: str, files: dict[str, str] | None, stdin: str, hide) -> SandboxResult:
+         network: str, files: dict[str, str] | None, stdin: str, hide, allow) -> SandboxResult:
     if network not in ("deny", "allow"):
         raise SandboxError(f"sandbox: network={network!r}; use 'deny' or 'allow'")
     if not timeout_s or timeout_s <= 0:
@@ -104,13 +118,29 @@ def _run(argv: list[str], name: str, code: str, timeout_s: float, limits: Limits
     workdir = SANDBOX_DIR if prefix else tempfile.mkdtemp(prefix="miles-sandbox-")
     is_root = os.geteuid() == 0
     uid = 100000 + secrets.randbelow(60000) if is_root else None  # its own uid: its own NPROC count
+    group, no_group = cgroup.make(limits.memory_mb, limits.max_procs)
+    if group is not None:
+        procs, each_mb = limits.max_procs, limits.memory_mb
+        bound = f"cgroup {group.version}: {limits.memory_mb} MiB for all processes"
+    else:
+        procs, each_mb = cgroup.divided(limits.memory_mb, limits.max_procs)
+        bound = f"rlimit: {procs} process(es) x {each_mb} MiB (no cgroup: {no_group})"
     spec = {"argv": argv, "workdir": workdir, "files": files, "stdin": stdin, "mounts": bool(prefix),
-            "hide": _hidden_paths(hide) if prefix else [], "keep": _kept_paths(), "uid": uid, "env": _env(workdir),
-            "rlimits": _rlimits(limits, timeout_s), "tmpfs_mb": limits.tmpfs_mb}
+            "hide": _hidden_paths(hide) if prefix else [], "allow": _allowed_paths(allow), "uid": uid,
+            "env": _env(workdir),
+            "rlimits": _rlimits(limits, timeout_s, procs, each_mb), "tmpfs_mb": limits.tmpfs_mb,
+            "cgroup": group.procs if group else None}
     try:
-        return _spawn(prefix + [sys.executable, "-E", "-s", "-S", LAUNCHER], spec, timeout_s,
-                      limits.max_output_bytes, notes)
+        r = _spawn(prefix + [sys.executable, "-E", "-s", "-S", LAUNCHER], spec, timeout_s,
+                   limits.max_output_bytes, notes)
+        if group is None:
+            return dataclasses.replace(r, memory_bound=bound)
+        kills = group.oom_kills()
+        oom = (f"out of memory: {kills} process(es) killed at the {limits.memory_mb} MiB limit",) if kills else ()
+        return dataclasses.replace(r, memory_bound=bound, memory_peak_mb=group.peak_mb(), notes=r.notes + oom)
     finally:
+        if group is not None:
+            group.remove()
         if not prefix:
             shutil.rmtree(workdir, ignore_errors=True)
 
@@ -122,17 +152,24 @@ def _env(workdir: str) -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _rlimits(limits: Limits, timeout_s: float) -> dict[str, list[int]]:
+def _rlimits(limits: Limits, timeout_s: float, procs: int, each_mb: int) -> dict[str, list[int]]:
     mb = 1024 * 1024
     cpu = limits.cpu_s or max(1, int(-(-timeout_s // 1)))
-    return {"RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_AS": [limits.memory_mb * mb] * 2,
-            "RLIMIT_NPROC": [limits.max_procs] * 2, "RLIMIT_FSIZE": [limits.file_size_mb * mb] * 2,
+    return {"RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_AS": [each_mb * mb] * 2,
+            "RLIMIT_NPROC": [procs] * 2, "RLIMIT_FSIZE": [limits.file_size_mb * mb] * 2,
             "RLIMIT_NOFILE": [limits.open_files] * 2, "RLIMIT_CORE": [0, 0]}
 
 
 def _kept_paths() -> list[str]:
-    """The interpreter's prefixes: they stay visible inside hidden folders."""
+    """The interpreter's prefixes: never hidden."""
     return sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)})
+
+
+def _allowed_paths(extra) -> list[str]:
+    """What the code's root holds of the host (read-only), outermost first: the system folders,
+    the interpreter's prefixes and ``extra``."""
+    paths = {*SYSTEM_PATHS, *_kept_paths(), *(os.path.realpath(p) for p in extra)}
+    return sorted(paths, key=lambda p: (p.count("/"), p))
 
 
 def _hidden_paths(extra) -> list[str]:
@@ -146,7 +183,7 @@ def _hidden_paths(extra) -> list[str]:
         cwd = []
     for p in [*cwd, os.path.expanduser("~"), *extra]:
         real = os.path.realpath(p)
-        if real == "/" or any(real == k or real.startswith(k + "/") for k in keep):
+        if real == "/" or any(real == k or real.startswith(k + "/") or k.startswith(real + "/") for k in keep):
             continue
         if os.path.exists(real) and real not in out:
             out.append(real)

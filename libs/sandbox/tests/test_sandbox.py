@@ -150,24 +150,68 @@ except OSError as e:
         server.close()
 
 
-def test_the_run_folder_home_and_environment_are_out_of_reach(visible_dir, monkeypatch):
+def test_host_files_outside_the_allow_list_are_out_of_reach(visible_dir, monkeypatch):
     code = f"""
 import os
 try:
     print(open("{visible_dir}/secret.txt").read())
 except OSError as e:
-    print("hidden", type(e).__name__)
+    print("unreachable", type(e).__name__)
 print(sorted(k for k in os.environ if "MILES" in k), os.environ["HOME"] == os.getcwd())
 """
     monkeypatch.setenv("MILES_TEST_SECRET_TOKEN", "abc")
     seen = run_python(code, 10)
-    assert "run-folder-secret" in seen.stdout  # the folder is readable unless hidden: the test can fail
+    assert "unreachable" in seen.stdout and "run-folder-secret" not in seen.stdout
     assert "[] True" in seen.stdout  # the caller's environment does not reach the code
-    hidden = run_python(code, 10, hide=[str(visible_dir)])
-    assert "hidden" in hidden.stdout and "run-folder-secret" not in hidden.stdout
-    monkeypatch.chdir(visible_dir)  # the caller's working directory is hidden by default
-    assert "hidden" in run_python(code, 10).stdout
-    assert "run-folder-secret" not in run_shell(f"cat {visible_dir}/secret.txt ~/secret.txt", 10).stdout
+    shown = run_python(code, 10, allow=[str(visible_dir)])  # readable once allowed: the test can fail
+    assert "run-folder-secret" in shown.stdout
+    hidden = run_python(code, 10, allow=[str(visible_dir)], hide=[str(visible_dir)])
+    assert "unreachable" in hidden.stdout and "run-folder-secret" not in hidden.stdout
+    monkeypatch.chdir(visible_dir)  # the caller's working directory (a run folder) is hidden
+    assert "run-folder-secret" not in run_shell(f"cat {visible_dir}/secret.txt secret.txt ~/secret.txt", 10).stdout
+    listing = run_shell("ls /", 10).stdout.split()
+    assert {"usr", "etc", "tmp", "proc", "dev"} <= set(listing)
+    assert not {"home", "mnt", "opt", "srv", "work"} & set(listing)  # not system folders: not there
+
+
+CHILDREN = """
+import subprocess, sys
+kid = "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('allocated', flush=True); " \\
+      "import time; time.sleep(1)"
+kids = [subprocess.Popen([sys.executable, "-c", kid]) for _ in range({n})]
+print("exits", [k.wait() for k in kids])
+"""
+
+
+def _own_sandbox_cgroups() -> list[str]:
+    from miles_sandbox import cgroup
+
+    found = []
+    for key in ("v2", "memory"):
+        mount, own = cgroup._mounts().get(key), cgroup._own(key)
+        if mount and own is not None:
+            found += [p.name for p in (Path(mount) / own.lstrip("/")).glob("miles-sandbox-*")]
+    return found
+
+
+def test_the_memory_limit_bounds_all_the_processes_of_a_call_together():
+    # four children of 300 MB each: 1.2 GB if each process had its own 512 MiB limit
+    r = run_python(CHILDREN.format(n=4), 20, limits=Limits(memory_mb=512, max_procs=16))
+    allocated = r.stdout.count("allocated")
+    if r.memory_bound.startswith("cgroup"):
+        assert allocated < 4 and r.memory_peak_mb <= 512, r
+        assert any("out of memory" in n for n in r.notes), r
+    else:  # a host without cgroups: the limit is divided, 128 MiB a process
+        assert r.memory_bound.startswith("rlimit: 4 process(es) x 128 MiB") and allocated == 0, r
+    assert _own_sandbox_cgroups() == []  # each call's cgroup is removed with it
+
+
+def test_without_a_cgroup_the_limit_is_divided_among_fewer_processes(monkeypatch):
+    monkeypatch.setattr(sb.cgroup, "make", lambda *a: (None, "none here"))
+    r = run_python(CHILDREN.format(n=3), 20, limits=Limits(memory_mb=512, max_procs=16))
+    assert r.memory_bound == "rlimit: 4 process(es) x 128 MiB (no cgroup: none here)"
+    assert r.returncode == 0 and "allocated" not in r.stdout and "MemoryError" in r.stderr, r
+    assert "BlockingIOError" in run_python(CHILDREN.format(n=4), 20, limits=Limits(memory_mb=512)).stderr
 
 
 def test_output_is_truncated():
