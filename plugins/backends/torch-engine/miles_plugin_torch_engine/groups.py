@@ -66,6 +66,14 @@ class GroupJoins:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.state: dict[str, Any] = {"state": "none"}
         self._thread: threading.Thread | None = None
+        self._waiting: set[asyncio.Future] = set()
+
+    def stop(self) -> None:
+        """The server is shutting down: waiting handlers answer now (a join thread still blocked
+        in torch is a daemon and ends with the process)."""
+        for future in self._waiting:
+            if not future.done():
+                future.set_exception(ConnectionAbortedError("the server is shutting down"))
 
     async def join(self, fn: Callable[..., Any], kwargs: dict) -> Any:
         if self._thread is not None and self._thread.is_alive():
@@ -92,6 +100,7 @@ class GroupJoins:
         self.state = {"state": "joining", "group_name": name, "since": time.time()}
         self._thread = threading.Thread(target=run, name="miles-group-join", daemon=True)
         self._thread.start()
+        self._waiting.add(future)
         try:
             result = await asyncio.wait_for(asyncio.shield(future),
                                             self.connect_timeout_s + self.timeout_s + 5.0)
@@ -103,5 +112,7 @@ class GroupJoins:
             self.state = {"state": "failed", "group_name": name,
                           "message": f"{type(e).__name__}: {str(e)[:300]}"}
             raise
+        finally:
+            self._waiting.discard(future)
         self.state = {"state": "ready", "group_name": name}
         return result

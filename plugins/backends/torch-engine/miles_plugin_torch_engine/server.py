@@ -208,6 +208,15 @@ def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str
     from .metrics_route import mount_metrics_route
 
     mount_metrics_route(app, engine, scheduler)  # /metrics: Prometheus text
+
+    def stop() -> None:
+        """Answer what waits (queued generation, group joins, client templates) so a graceful
+        shutdown does not wait on it; run by the event loop."""
+        scheduler.stop()
+        groups.stop()
+        app.state.templates.close()
+
+    app.state.stop = stop
     # outermost: checks the key before reading any body, then sees every body
     app.add_middleware(Guard, max_body_bytes=int(lim.max_body_mb * 2**20), api_key=api_key,
                        body_timeout_s=lim.body_timeout_s)
@@ -477,24 +486,24 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
                     settings=cfg.model_dump(), **server_opts)
     gc.freeze()  # the model, libraries and app live on: collections skip them (a full one took ~0.2 s)
     try:
-        asyncio.run(_run_uvicorn(app, sock, host, scheduler))
+        asyncio.run(_run_uvicorn(app, sock, host))
     finally:
-        scheduler.stop()
+        app.state.stop()
         app.state.prep.close()
         sock.close()
     return 0
 
 
-async def _run_uvicorn(app: Any, sock: socket.socket, host: str, scheduler: Scheduler) -> None:
+async def _run_uvicorn(app: Any, sock: socket.socket, host: str) -> None:
     import uvicorn
 
     loop = asyncio.get_running_loop()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            # answer queued requests (as aborted) so the graceful shutdown does not wait on them;
-            # run by the loop because a signal handler may interrupt the scheduler's lock
-            loop.call_soon_threadsafe(scheduler.stop)
+            # answer queued requests (as aborted) and waiting joins so the graceful shutdown does
+            # not wait on them; run by the loop because a signal handler may interrupt a lock
+            loop.call_soon_threadsafe(app.state.stop)
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False,

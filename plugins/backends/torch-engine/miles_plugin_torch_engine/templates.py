@@ -36,6 +36,7 @@ class TemplateRenderer:
         self.max_source_chars, self.max_output_chars = max_source_chars, max_output_chars
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def render(self, source: str, context: dict) -> str:
         if not isinstance(source, str) or not source:
@@ -46,6 +47,8 @@ class TemplateRenderer:
         request = json.dumps({"source": source, "context": context,
                               "max_chars": self.max_output_chars}).encode() + b"\n"
         with self._lock:
+            if self._closed:
+                raise TemplateRejected("chat_template: the server is shutting down")
             proc = self._child()
             try:
                 proc.stdin.write(request)
@@ -57,6 +60,8 @@ class TemplateRenderer:
                                        f"(the server's template_timeout_s); it was stopped") from None
             except (OSError, EOFError):
                 self._kill()
+                if self._closed:
+                    raise TemplateRejected("chat_template: the server is shutting down") from None
                 raise TemplateRejected(f"chat_template: rendering exceeded its memory budget of "
                                        f"{self.memory_mb} MB (the server's template_memory_mb)") from None
         reply = json.loads(line)
@@ -93,8 +98,11 @@ class TemplateRenderer:
             self._proc = None
 
     def close(self) -> None:
-        with self._lock:
-            self._kill()
+        """Stop the child (a render in progress answers at once: no lock is waited for)."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
 
 # -- the child ------------------------------------------------------------------------------------
