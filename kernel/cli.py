@@ -50,7 +50,7 @@ def _checked(pm: Any) -> Any:
             if pm.origins.get(impl.plugin_name) == impl.plugin_name:  # --plugin or plugins: entry
                 raise PluginError(text)
             print(f"miles: warning: {text}", file=sys.stderr)
-    for name, plugin in pm.list_name_plugin():  # a hook function without @hookimpl is never called
+    for plugin in sorted(pm.get_plugins(), key=pm.describe):  # a hook function without @hookimpl is never called
         for attr, fn in sorted(vars(plugin).items()) if hasattr(plugin, "__dict__") else ():
             if attr in hooks and callable(fn) and not hasattr(fn, "miles_impl") \
                     and getattr(fn, "__module__", None) == getattr(plugin, "__name__", None):
@@ -65,6 +65,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     pm, cfg = load(args.config, args.overrides, args.plugin or [])
     if cfg.name("launcher") and not os.environ.get("MILES_LAUNCHED"):
         runfolder.check_out_dir(cfg.run.out_dir)  # before the launcher writes its logs there
+        note, finished = runfolder.check_resume(cfg.run.out_dir, cfg.resolved(), cfg.run.steps)
+        if note:
+            print(note)
+        if finished:
+            return 0
         launcher = pm.create("launchers", cfg.name("launcher"), cfg.settings("launcher"))
         return launcher.launch(cfg, pm, list(args.plugin or []) + cfg.plugins)
     try:

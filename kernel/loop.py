@@ -90,6 +90,7 @@ class Loop:
         self.bad_steps = self.nonfinite_total = 0
         self._previous: dict[int, Any] = {}
         self._synced_once = False
+        self._resumed_step: int | None = None  # the checkpoint restore() resumed from
         t = cfg.run.telemetry  # rank 0 records what miles dashboard shows
         self.recorder: Recorder = RunRecorder(t.enabled and self.main, t.samples, t.max_mb, t.devices_every, self.seed)
 
@@ -140,7 +141,14 @@ class Loop:
             tokenizer=self.components.tokenizer, seed=self.seed, algorithm=algorithm or self.components.algorithm,
             total_steps=self.cfg.run.steps if total_steps is None else total_steps)
         if found:
-            self.components.trainer.load(str(found[0] / "trainer"))
+            try:
+                self.components.trainer.load(str(found[0] / "trainer"))
+            except MilesError:
+                raise
+            except Exception as e:  # an edited checkpoint (recomputed checksums), or another model's
+                raise MilesError(f"checkpoint {found[0]} cannot be loaded by trainer {self.cfg.name('trainer')!r}: "
+                                 f"{type(e).__name__}: {e}. It was edited or written for another model: move it "
+                                 f"aside to resume from an older one, or pick a new run.out_dir") from e
             self.version = found[1]["weight_version"]
         return self.components.trainer
 
@@ -370,24 +378,26 @@ class Loop:
             self.components.trainer.barrier()
 
     def open_loggers(self) -> None:
+        """The configured loggers first (a factory that fails leaves metrics.jsonl as it was), then
+        metrics.jsonl, cut back to the checkpoint resumed from (later rows are redone)."""
         run = self.cfg.run
         if self.main:  # metrics.jsonl always; a configured "jsonl" is that same file
-            self.loggers = [runfolder.MetricsLog(out_dir=run.out_dir)] + [
-                self.pm.create("loggers", name, settings, out_dir=run.out_dir, total_steps=run.steps,
-                               config=self.cfg.raw)
-                for name, settings in self.cfg.loggers if name != "jsonl"]
+            others = [self.pm.create("loggers", name, settings, out_dir=run.out_dir, total_steps=run.steps,
+                                     config=self.cfg.raw)
+                      for name, settings in self.cfg.loggers if name != "jsonl"]
+            os.makedirs(run.out_dir, exist_ok=True)
+            runfolder.truncate_metrics(os.path.join(run.out_dir, "metrics.jsonl"), self._resumed_step)
+            self.loggers = [runfolder.MetricsLog(out_dir=run.out_dir), *others]
 
     def restore(self) -> int:
-        """Resume from the newest intact checkpoint; the first step still to run. Rows logged after
-        it are dropped (they are redone)."""
+        """Resume from the newest intact checkpoint; the first step still to run. Nothing is written
+        here: rows logged after it are dropped when the loggers open (they are redone)."""
         out = self.cfg.run.out_dir
         found = runfolder.latest(out)
         runfolder.check_resumable(out, found)
         if found:
             self.new_trainer(found)  # a checkpoint that does not fit the model stops here
-        if self.main:
-            os.makedirs(out, exist_ok=True)
-            runfolder.truncate_metrics(os.path.join(out, "metrics.jsonl"), found[1]["step"] if found else None)
+        self._resumed_step = found[1]["step"] if found else None  # open_loggers cuts metrics.jsonl back to it
         if not found:
             return 0
         self.sync()
@@ -407,15 +417,21 @@ class Loop:
 
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
-        if not os.environ.get("MILES_LAUNCHED"):  # a launcher checked it before writing its logs there
+        if not os.environ.get("MILES_LAUNCHED"):  # a launcher checked these before writing its logs there
             runfolder.check_out_dir(cfg.run.out_dir)
+            note, finished = runfolder.check_resume(cfg.run.out_dir, cfg.resolved(), cfg.run.steps)
+            if note:
+                print(note)
+            if finished:
+                return []
         self._catch_signals()
-        self.build()
-        start = self.restore()
-        if self.main:  # only now: a rerun rejected above leaves the folder as it was
-            runfolder.write_atomic(os.path.join(cfg.run.out_dir, "config.yaml"),
-                                    yaml.safe_dump(cfg.resolved(), sort_keys=False))
-        self.open_loggers()
+        with runfolder.leave_as_found(cfg.run.out_dir, self.main):  # a run that fails to start leaves no trace
+            self.build()
+            start = self.restore()
+            self.open_loggers()
+            if self.main:  # last: a rerun rejected above keeps the run's config.yaml
+                runfolder.write_atomic(os.path.join(cfg.run.out_dir, "config.yaml"),
+                                        yaml.safe_dump(cfg.resolved(), sort_keys=False))
         c = self.components
         self.recorder.open(cfg.run.out_dir, c.tokenizer,
                            c.engine.engine_stats if isinstance(c.engine, EngineStats) else None)

@@ -8,8 +8,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-import yaml
 from miles.cli import main
 from miles.config import read_yaml
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import MilesError
 
-from .files import disk_errors, fsync_path, write_atomic
+from .files import check_writable, disk_errors, fsync_path, write_atomic
 from .metrics import highest_step
 
 STATE = "state.json"
@@ -60,10 +60,15 @@ def check_resumable(out_dir: str, found: Any) -> None:
 
 
 def check_out_dir(out_dir: str) -> None:
-    """An existing non-empty ``run.out_dir`` must be a miles run folder (this run's to resume)."""
+    """``run.out_dir`` must be a folder miles can write (checked by a probe, not by its mode bits), and
+    an existing non-empty one a miles run folder (this run's to resume)."""
     p = Path(out_dir)
     if p.exists() and not p.is_dir():
         raise MilesError(f"run.out_dir {out_dir} is a file; point it at a folder")
+    check_writable(p)
+    if (p / "checkpoints").exists() and not (p / "checkpoints").is_dir():
+        raise MilesError(f"{p / 'checkpoints'} is a file, where the run keeps its checkpoint folders; move it "
+                         f"aside or pick a new run.out_dir")
     if p.is_dir() and any(p.iterdir()) and not any((p / f).exists() for f in RUN_FILES):
         raise MilesError(f"run.out_dir {out_dir} is a non-empty folder that holds no miles run "
                          f"(no {', '.join(RUN_FILES)}); pick a new or empty folder")

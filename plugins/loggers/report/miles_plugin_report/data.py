@@ -43,12 +43,13 @@ class Run:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines file; a line cut short by a killed process is skipped."""
+    """Rows of a JSON-lines file; a line cut short by a killed process, or one that is not UTF-8
+    text, is skipped."""
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
             continue
         if isinstance(row, dict):
             rows.append(row)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from miles import MilesError
 
 from . import plots
 from .data import Run, read_run
@@ -96,7 +97,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return the page's path."""
     run = read_run(run_dir)
     out = Path(out) if out else run.folder / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MilesError(f"cannot write the report in {out}: {e.strerror}; pass --out with a folder you "
+                         f"can write") from None
     figures: list[tuple[str, str, bytes]] = []
     for panel in plots.panels(run):
         png = plots.draw_panel(run, panel)
@@ -107,10 +112,14 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         png = draw(run)
         if png:
             figures.append((fig_id, title, png))
-    for fig_id, _, png in figures:
-        (out / f"{fig_id}.png").write_bytes(png)
     page = out / "index.html"
-    page.write_text(render(run, figures))
+    try:
+        for fig_id, _, png in figures:
+            (out / f"{fig_id}.png").write_bytes(png)
+        page.write_text(render(run, figures))
+    except OSError as e:
+        raise MilesError(f"cannot write the report in {out}: {e.strerror}; pass --out with a folder you "
+                         f"can write") from None
     return page
 
 
