@@ -85,10 +85,8 @@ def _shared_prompt_logits(model: torch.nn.Module, batch: Batch, runs: list[int])
     if L - P == 1:
         return first
     cache = getattr(out, kw)
-    if uniform:
-        cache.batch_repeat_interleave(n)
-    else:
-        cache.batch_select_indices(torch.arange(len(runs), device=dev).repeat_interleave(reps))
+    # reorder_cache takes every layer kind along (linear-attention conv and recurrent states too)
+    cache.reorder_cache(torch.arange(len(runs), device=dev).repeat_interleave(reps))
     rest = model(input_ids=batch.input_ids[:, P:L - 1], attention_mask=batch.attention_mask[:, :L - 1],
                  position_ids=batch.position_ids[:, P:L - 1], use_cache=True, **{kw: cache})
     return torch.cat([first, rest.logits], dim=1)

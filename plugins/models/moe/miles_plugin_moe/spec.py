@@ -101,13 +101,22 @@ class R3Spec(MoESpec):
     def action_logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """``[B, R]`` log-probs of the response tokens with the recorded experts replayed."""
         state = routing_state(model)
-        L = batch.input_ids.shape[1]
+        L, P = batch.input_ids.shape[1], batch.prompt_len
         experts = replay_table(batch, state.num_layers, state.top_k)
-        with state.replaying(experts.view(-1, state.num_layers, state.top_k)):
-            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        position_ids=batch.position_ids, use_cache=False)
-        P = batch.prompt_len
-        logits = out.logits[:, P - 1:L - 1].float()
+        arch = self.architecture()
+        if arch is None or arch.padded_batches or batch.attention_mask.dim() != 2:
+            with state.replaying(experts.view(-1, state.num_layers, state.top_k)):
+                out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids, use_cache=False)
+            logits = out.logits[:, P - 1:L - 1].float()
+        else:  # layers that ignore the padding mask: each row from its first prompt token, unpadded
+            rows = []
+            for i, s in enumerate(batch.samples):
+                start = P - len(s.prompt_ids)
+                with state.replaying(experts[i, start:]):
+                    out = model(input_ids=batch.input_ids[i:i + 1, start:], use_cache=False)
+                rows.append(out.logits[0, P - 1 - start:L - 1 - start])
+            logits = torch.stack(rows).float()
         if batch.temperature != 1.0:
             logits = logits / batch.temperature
         targets = batch.input_ids[:, P:]

@@ -1,0 +1,204 @@
+"""The frontier architectures the model-family plugins register (deepseek, glm, qwen3-next, gpt-oss),
+each at a tiny random size through miles' own path: ``model.name: hf`` / ``moe`` with an inline
+config, the torch engine's generic path, routing replay and the fsdp2 trainer. The reference is
+transformers' own forward of the same tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+from miles import Batch, SamplingParams, make_plugin_manager
+from miles.protocols import Architecture, KnowsArchitecture, RoutesExperts
+from miles.testing import char_tokenizer
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+              tie_word_embeddings=False)
+MODELS = {
+    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        routed_scaling_factor=2.5),
+    # a hash-routed MoE layer, then a learned one; heavily compressed, then compressed sparse attention
+    "deepseek_v4": dict(moe_intermediate_size=32, num_key_value_heads=1, head_dim=32, q_lora_rank=24,
+                        num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, qk_rope_head_dim=8,
+                        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+                        mlp_layer_types=["hash_moe", "moe"], sliding_window=8, o_groups=2, o_lora_rank=16,
+                        index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=2),
+    "glm4_moe": dict(intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=2, n_routed_experts=8,
+                     n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                     head_dim=16),
+    # 8 indexer heads: with 2, the ReLU scores tie at 0 and the indexer's top-k is not defined by them
+    "glm_moe_dsa": dict(intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        head_dim=8, index_topk=6, index_head_dim=16, index_n_heads=8,
+                        mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention"] * 2,
+                        indexer_types=["full"] * 2),
+    "qwen3_5_moe_text": dict(num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts_per_tok=2,
+                             num_experts=8, layer_types=["linear_attention", "full_attention"]),
+    "qwen3_next": dict(intermediate_size=128, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       num_experts_per_tok=2, num_experts=8, norm_topk_prob=True,
+                       layer_types=["linear_attention", "full_attention"]),
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, num_key_value_heads=2,
+                    head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+}
+PROMPTS = [[2, 5, 6, 7, 8, 9, 10, 11, 12, 13], [2, 11], [2, 12, 13, 14, 15]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls gain nothing from threads on a shared CPU
+    yield
+    torch.set_num_threads(before)
+
+
+def lively(model: torch.nn.Module, seed: int = 1) -> list[tuple[str, torch.Tensor]]:
+    """Random weights with outputs far from uniform (the default init's std 0.02 makes every
+    next-token distribution nearly flat, and every router nearly tied)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            out.append((name, torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5))
+        elif name.endswith("bias") and "correction" not in name:
+            out.append((name, torch.randn(p.shape, generator=g) * 0.1))
+    return out
+
+
+def make_spec(model_type: str, replay: bool):
+    pm = make_plugin_manager()
+    config = {"model_type": model_type, **COMMON, **MODELS[model_type]}
+    if not replay:
+        settings = pm.registry("model_specs")["hf"].config(config=config)
+        return pm.create("model_specs", "hf", settings, pm=pm)
+    settings = pm.registry("model_specs")["moe"].config(base={"name": "hf", "config": config})
+    return pm.create("model_specs", "moe", settings, pm=pm)
+
+
+def make_engine(spec, tok):
+    from miles_plugin_torch_engine.config import TorchEngineConfig
+    from miles_plugin_torch_engine.engine import TorchEngine
+
+    engine = TorchEngine(TorchEngineConfig(impl="hf"), spec=spec, tokenizer=tok, seed=0)
+    engine.load_weights(lively(engine.model), version=1)
+    return engine
+
+
+def reference_logprobs(model, prompt, response):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response]), use_cache=False).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_each_model_type_has_its_architecture(model_type):
+    spec = make_spec(model_type, replay=False)
+    assert isinstance(spec, KnowsArchitecture)
+    arch = spec.architecture()
+    assert isinstance(arch, Architecture) and isinstance(arch, RoutesExperts)
+    assert arch.check_config({"model_type": model_type, **COMMON, **MODELS[model_type]}) == []
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_engine_logprobs_equal_a_transformers_forward(model_type, tok):
+    """Left-padded prompts of different lengths, 2 samples each sharing their prompt's prefill,
+    decoded over the architecture's own cache."""
+    engine = make_engine(make_spec(model_type, replay=False), tok)
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), n=2)
+    assert [len(o) for o in outs] == [2, 2, 2]
+    worst = 0.0
+    for prompt, comps in zip(PROMPTS, outs):
+        for comp in comps:
+            assert comp.token_ids
+            want = reference_logprobs(engine.model, prompt, comp.token_ids)
+            worst = max(worst, (want - torch.tensor(comp.logprobs)).abs().max().item())
+    assert worst < 1e-5, f"{model_type}: engine log-probs differ from transformers' forward by {worst:.2e}"
+
+
+@pytest.fixture(scope="module")
+def rollouts(tok):
+    """Per model type: the R3 spec, its engine and a batch of recorded samples (built on first use)."""
+    from miles import Sample, Task
+
+    built = {}
+
+    def get(model_type):
+        if model_type not in built:
+            spec = make_spec(model_type, replay=True)
+            engine = make_engine(spec, tok)
+            outs = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6), n=2)
+            samples = [Sample(Task("x"), prompt_ids=p, response_ids=c.token_ids, logprobs=c.logprobs,
+                              extensions=dict(c.extras)) for p, cs in zip(PROMPTS, outs) for c in cs]
+            batch = Batch.from_samples(samples, pad_id=tok.pad_token_id, advantages=[1.0] * len(samples))
+            built[model_type] = spec, engine, batch
+        return built[model_type]
+    return get
+
+
+def trainer_copy(spec, engine, tok):
+    model = spec.build_model(tok)
+    model.load_state_dict(engine.model.state_dict())
+    return model
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_replaying_recorded_experts_reproduces_the_forward_and_random_experts_change_it(model_type, rollouts, tok):
+    from miles_plugin_moe.spec import routing_state
+
+    spec, engine, batch = rollouts(model_type)
+    state = routing_state(engine.model)
+    for s in batch.samples:
+        rec = s.extensions["moe"]["routed_experts"]
+        assert tuple(rec.shape) == (len(s.prompt_ids) + len(s.response_ids) - 1, state.num_layers, state.top_k)
+    model = trainer_copy(spec, engine, tok)
+    mask = batch.loss_mask.bool()
+    with torch.no_grad():
+        replayed = spec.action_logprobs(model, batch)
+        assert (replayed - batch.rollout_logprobs)[mask].abs().max() < 1e-5
+        # the trainer's own routing, recorded and replayed: the same forward, bit for bit
+        own = routing_state(model)
+        with own.recording():
+            plain = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids, use_cache=False).logits
+        experts = own.take()[0]
+        with own.replaying(experts):
+            again = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids, use_cache=False).logits
+        assert torch.equal(plain, again)
+        g = torch.Generator().manual_seed(0)
+        with own.replaying(torch.randint(0, state.num_experts, experts.shape, generator=g)):
+            other = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids, use_cache=False).logits
+        assert (other - plain).abs().max() > 1e-3
+    # gate weights come from the trainer's own router logits: gradients reach the routers
+    spec.action_logprobs(model, batch)[mask].sum().backward()
+    routers = spec.architecture().routers(model)
+    assert any(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_fsdp2_trains_with_routing_replay(model_type, rollouts, tok):
+    from miles_plugin_fsdp2.config import FSDP2Config
+    from miles_plugin_fsdp2.trainer import FSDP2Trainer
+
+    spec, engine, batch = rollouts(model_type)
+    trainer = FSDP2Trainer(FSDP2Config(lr=1e-2, warmup_steps=0, grad_clip=1.0), spec=spec, tokenizer=tok,
+                           seed=0, total_steps=10)
+    trainer.load_weights(engine.model.state_dict().items())
+
+    def nll(b, logprobs):
+        loss = b.token_mean(-logprobs)
+        return loss, {"nll": float(loss.detach())}
+
+    losses = [trainer.train_step(batch, nll)["nll"] for _ in range(4)]
+    assert losses[-1] < losses[0] - 0.1, losses
