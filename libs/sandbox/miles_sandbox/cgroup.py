@@ -88,6 +88,20 @@ class CallGroup:
                 time.sleep(0.02)
 
 
+def _v2_parent(own: Path, top: Path) -> Path:
+    """Where a v2 call group can go: under this process's cgroup once it hands memory down to
+    children, else beside it. A cgroup that holds processes may not enable controllers for children
+    (EBUSY, the no-internal-processes rule), but its parent already hands memory down to it."""
+    try:
+        if "memory" not in (own / "cgroup.subtree_control").read_text().split():
+            (own / "cgroup.subtree_control").write_text("+memory +pids")
+        return own
+    except OSError:
+        if own == top:
+            raise
+        return own.parent
+
+
 def make(memory_mb: int, max_procs: int) -> tuple[CallGroup | None, str]:
     """A fresh cgroup bounding one call to ``memory_mb`` MiB in all (and ``max_procs`` tasks on v2),
     or None and why none could be made here."""
@@ -103,8 +117,7 @@ def make(memory_mb: int, max_procs: int) -> tuple[CallGroup | None, str]:
                 if "memory" not in (parent / "cgroup.controllers").read_text().split():
                     why.append("v2: the memory controller is not delegated here")
                     continue
-                if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
-                    (parent / "cgroup.subtree_control").write_text("+memory +pids")
+                parent = _v2_parent(parent, Path(mounts[key]))
             group = CallGroup(parent / f"miles-sandbox-{os.getpid()}-{secrets.token_hex(4)}", version)
             group.path.mkdir()
         except OSError as e:

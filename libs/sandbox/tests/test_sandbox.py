@@ -214,6 +214,21 @@ def test_without_a_cgroup_the_limit_is_divided_among_fewer_processes(monkeypatch
     assert "BlockingIOError" in run_python(CHILDREN.format(n=4), 20, limits=Limits(memory_mb=512)).stderr
 
 
+def test_a_v2_call_group_goes_beside_a_cgroup_that_cannot_hand_memory_down(tmp_path):
+    # (a file tree standing in for cgroupfs: this host may mount no v2 memory controller)
+    from miles_sandbox.cgroup import _v2_parent
+
+    own = tmp_path / "service"
+    own.mkdir()
+    (own / "cgroup.subtree_control").write_text("")
+    assert _v2_parent(own, tmp_path) == own and (own / "cgroup.subtree_control").read_text() == "+memory +pids"
+    busy = tmp_path / "busy"
+    (busy / "cgroup.subtree_control").mkdir(parents=True)  # the write fails, as EBUSY makes it
+    assert _v2_parent(busy, tmp_path) == tmp_path
+    with pytest.raises(OSError):  # at the top of the hierarchy there is nowhere beside it
+        _v2_parent(busy, busy)
+
+
 def test_output_is_truncated():
     r = run_python("print('x' * 1_000_000)", 10, limits=Limits(max_output_bytes=1000))
     assert r.stdout == "x" * 1000 and r.truncated and r.returncode == 0
