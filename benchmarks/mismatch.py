@@ -28,7 +28,6 @@ FP8 rows run FP8 GEMMs (``torch._scaled_mm``) where the GPU has them (compute ca
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields, replace
 
 import torch
 from miles import Batch, SamplingParams, Sample, Task
@@ -103,8 +102,7 @@ def rollout(spec, tok, master: torch.nn.Module, prompts: list[list[int]], n: int
                       loss_mask=[1] * len(c.token_ids), extensions=dict(c.extras))
                for p, cs in zip(prompts, outs) for c in cs]
     batch = Batch.from_samples(samples, tok.pad_token_id)
-    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-                             if isinstance(getattr(batch, f.name), torch.Tensor)})
+    return batch.to(device)
 
 
 def plain_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

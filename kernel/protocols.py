@@ -154,12 +154,11 @@ class ServiceEnv(Protocol):
     """An env whose episodes run in an outside service (an OpenEnv server, Harbor, a NeMo Gym agent,
     a verifiers worker) and are played by the rollout component of the same name: ``service``, that
     name (the rollout checks it before it reads the rest); ``cfg``: the env's validated settings,
-    which say where the service is; ``failures``: why recent episodes failed, for the env's metrics.
-    The env also holds its client of the service (e.g. ``sessions``, ``worker``)."""
+    which say where the service is. What else the rollout reads (a client of the service, a list
+    of failures) is between the two halves of that plugin."""
 
     service: str
     cfg: Any
-    failures: Any
 
 
 # --- engines --------------------------------------------------------------------------------------

@@ -62,13 +62,12 @@ class RolloutService:
             return self.algorithm.keep(group) and False not in self.pm.hook.miles_filter(group=group)
 
     def score(self, s: Sample) -> None:
-        r, source = self.pm.hook.miles_reward(sample=s), None
+        r, source = first_reward(self.pm, s)
         if r is None and s.reward is not None:
             r, source = s.reward, "the rollout"
         elif r is None:
             r, source = self.env.reward(s), "the env's verifier"
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-            source = source or _reward_source(self.pm, s)  # asked again only on this rare path
             self.invalid_rewards += 1
             if source not in self._reported:
                 self._reported.add(source)
@@ -89,13 +88,20 @@ class RolloutService:
         return {**m, "rewards_invalid": float(count)} if count else dict(m)
 
 
-def _reward_source(pm: Any, s: Sample) -> str:
-    """Which ``miles_reward`` implementation answers first for ``s`` (pluggy's call order)."""
-    for impl in reversed(pm.hook.miles_reward.get_hookimpls()):
-        plain = not (impl.wrapper or impl.hookwrapper)
-        if plain and impl.function(*[{"sample": s}[a] for a in impl.argnames]) is not None:
-            return f"plugin {pm.describe(impl.plugin)} (miles_reward)"
-    return "a miles_reward plugin"
+def first_reward(pm: Any, s: Sample) -> tuple[Any, str]:
+    """``miles_reward``'s answer for ``s`` and who gave it, each implementation called at most once
+    (a remote judge is never asked twice): plain implementations in pluggy's firstresult order
+    (``get_hookimpls()`` reversed, so ``tryfirst`` and later registrations first), each with the
+    arguments it takes. Wrappers need pluggy's own call, which does not say who answered."""
+    impls = pm.hook.miles_reward.get_hookimpls()
+    if any(i.wrapper or i.hookwrapper for i in impls):
+        names = ", ".join(pm.describe(i.plugin) for i in impls)
+        return pm.hook.miles_reward(sample=s), f"a miles_reward plugin (one of {names})"
+    for impl in reversed(impls):
+        r = impl.function(*[{"sample": s}[a] for a in impl.argnames])
+        if r is not None:
+            return r, f"plugin {pm.describe(impl.plugin)} (miles_reward)"
+    return None, ""
 
 
 @dataclass
@@ -132,7 +138,7 @@ def single_turn(tasks: list[Task], n: int, engine: Any, tokenizer: Any, params: 
     return [[Sample(task=task, prompt_ids=prompt_ids, response_ids=c.token_ids, response=next(texts),
                     logprobs=c.logprobs, weight_version=c.weight_version,
                     weight_versions=c.weight_versions or [c.weight_version],
-                    extensions=dict(getattr(c, "extras", None) or {}),
+                    extensions=dict(c.extras),
                     status=Status.COMPLETED if c.finish_reason == "stop" else Status.TRUNCATED)
              for c in completions]
             for task, prompt_ids, completions in zip(tasks, prompts, outs)]

@@ -170,6 +170,15 @@ class Batch:
         return replace(self, **rows, samples=[self.samples[i] for i in idx],
                        extras={k: v[t] if hasattr(v, "shape") else v for k, v in self.extras.items()})
 
+    def to(self, device: Any) -> "Batch":
+        """This batch with every tensor (its fields and those in ``extras``) on ``device``."""
+        import torch
+
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        extras = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()}
+        return replace(self, **moved, extras=extras)
+
     def split(self, size: int) -> list["Batch"]:
         """Micro-batches of at most ``size`` rows (global denominators preserved)."""
         n = len(self)

@@ -197,3 +197,35 @@ def test_a_reward_that_is_not_a_finite_number_excludes_the_sample_and_names_the_
         assert s.reward == 0.0 and s.loss_mask == [0, 0] and s.status.value == "failed"
     assert len(said) == 1 and "bad-reward" in said[0]
     assert service.metrics([])["rewards_invalid"] == 2.0
+
+
+def test_a_bad_reward_is_traced_to_its_plugin_without_asking_any_plugin_twice():
+    """A remote judge must not score a sample twice to find who returned a bad value: every
+    implementation runs at most once per sample, in pluggy's order (tryfirst, then the latest)."""
+    from types import SimpleNamespace
+
+    from miles.rollouts import RolloutService
+
+    calls: list[str] = []
+
+    def counted(name, value, **opts):
+        class Impl:
+            @hookimpl(**opts)
+            def miles_reward(self, sample):
+                calls.append(name)
+                return value
+        return Impl()
+
+    pm, said = _pm(), []
+    pm.register(counted("judge", float("inf")), name="judge")
+    pm.register(counted("after", 1.0, trylast=True), name="after")  # never reached: judge answered
+    pm.register(counted("first", None, tryfirst=True), name="first")
+    service = RolloutService(pm, None, None, SimpleNamespace(), None, None, console=said.append)
+    s = Sample(task=Task("p"), response_ids=[1], logprobs=[0.0])
+    service.score(s)
+    assert calls == ["first", "judge"]
+    assert s.status.value == "failed" and len(said) == 1 and "plugin judge (miles_reward)" in said[0], said
+    pm.register(Rescale(), name="rescale")  # a wrapper: pluggy calls them, still once each
+    calls.clear()
+    service.score(Sample(task=Task("p"), response_ids=[1], logprobs=[0.0]))
+    assert calls == ["first", "judge"]

@@ -12,9 +12,11 @@ from .dtypes import checksum
 
 def verify(engines: Sequence[Any], want: dict[str, str], version: int) -> None:
     """Every engine holds ``version`` and tensors whose checksums are ``want``, else MilesError."""
+    from miles.protocols import LoadsWeights
+
     for i, engine in enumerate(engines):
         who = f"engine {i}" if len(engines) > 1 else "engine"
-        have = getattr(engine, "weight_version", version)
+        have = engine.weight_version if isinstance(engine, LoadsWeights) else version
         if have is not None and int(have) != int(version):
             raise MilesError(f"weight sync verification failed: {who} reports weight_version "
                              f"{have}, expected {version}")

@@ -10,8 +10,10 @@ def miles_register_trainers(register):
 
 
 def _make(cfg, **context):
+    from miles.protocols import CriticAlgorithm
+
     algorithm = context.get("algorithm")  # None when a trainer is built outside a run (tests, export)
-    if algorithm is not None and algorithm.needs_critic:  # PPO: policy + value model
+    if isinstance(algorithm, CriticAlgorithm) and algorithm.needs_critic:  # PPO: policy + value model
         from .critic import CriticTrainer
 
         return CriticTrainer(cfg, **context)

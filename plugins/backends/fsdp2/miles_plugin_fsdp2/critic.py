@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from miles import Batch
+from miles.protocols import CriticAlgorithm
 
 from .trainer import FSDP2Trainer
 
@@ -71,7 +72,7 @@ class CriticTrainer(FSDP2Trainer):
             raise MilesError("the critic (algorithm with needs_critic, e.g. ppo) runs on one trainer "
                              "rank only; set trainer.world_size=1")
         self._spec, self._tokenizer = spec, tokenizer
-        self.critic_lr = getattr(algorithm, "critic_lr", None) or cfg.lr
+        self.critic_lr = (algorithm.critic_lr if isinstance(algorithm, CriticAlgorithm) else None) or cfg.lr
         self.critic: ValueModel | None = None
         self.critic_optim: torch.optim.Optimizer | None = None
 

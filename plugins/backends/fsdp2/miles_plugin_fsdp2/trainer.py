@@ -184,7 +184,7 @@ class FSDP2Trainer:
     def _to(self, batch: Batch) -> Batch:
         if self.device.type == "cpu":
             return batch
-        return _move(batch, self.device)
+        return batch.to(self.device)
 
     # -- collectives the kernel loop uses ----------------------------------------------------------
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -400,12 +400,3 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _move(batch: Batch, device: torch.device) -> Batch:
-    from dataclasses import fields, replace
-
-    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}
-    extras = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.extras.items()}
-    return replace(batch, **moved, extras=extras)

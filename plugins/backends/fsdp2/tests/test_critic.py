@@ -11,18 +11,10 @@ from miles_plugin_fsdp2.config import FSDP2Config
 from miles_plugin_fsdp2.critic import CriticTrainer
 from miles_plugin_fsdp2.trainer import FSDP2Trainer
 
-ALGO = SimpleNamespace(needs_critic=True, critic_lr=3e-3)
-
-
 def _batch(responses=((5, 6, 7), (8, 9), (10,))):
     samples = [Sample(Task("x"), prompt_ids=[3, 4], response_ids=list(r), logprobs=[-1.0] * len(r))
                for r in responses]
     return Batch.from_samples(samples, pad_id=0, advantages=[0.0] * len(samples))
-
-
-def _trainer(algorithm=ALGO, **kw):
-    return _make(FSDP2Config(**kw), spec=TinySpec(), tokenizer=char_tokenizer(), seed=0,
-                 total_steps=10, algorithm=algorithm)
 
 
 def _mse_to(target):
@@ -30,6 +22,14 @@ def _mse_to(target):
         err = (values - target) ** 2
         return batch.token_mean(err), {"mse": float(batch.as_global().token_mean(err.detach()))}
     return loss_fn
+
+
+ALGO = SimpleNamespace(needs_critic=True, critic_lr=3e-3, value_loss=_mse_to(0.0))  # a CriticAlgorithm
+
+
+def _trainer(algorithm=ALGO, **kw):
+    return _make(FSDP2Config(**kw), spec=TinySpec(), tokenizer=char_tokenizer(), seed=0,
+                 total_steps=10, algorithm=algorithm)
 
 
 def test_factory_builds_a_critic_only_when_asked():

@@ -11,7 +11,10 @@ def miles_register_trainers(register):
 
 
 def _make(cfg, **context):
-    if getattr(context.get("algorithm"), "needs_critic", False):  # PPO: policy + value model
+    from miles.protocols import CriticAlgorithm
+
+    algorithm = context.get("algorithm")  # None when a trainer is built outside a run (tests, export)
+    if isinstance(algorithm, CriticAlgorithm) and algorithm.needs_critic:  # PPO: policy + value model
         from .critic import MegatronCriticTrainer
 
         return MegatronCriticTrainer(cfg, **context)

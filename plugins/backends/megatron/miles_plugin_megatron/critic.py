@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from miles import Batch, MilesError
+from miles.protocols import CriticAlgorithm
 
 from . import pipeline
 from .trainer import MegatronTrainer, right_aligned
@@ -49,7 +50,7 @@ class MegatronCriticTrainer(MegatronTrainer):
 
     def __init__(self, cfg: Any, *, algorithm: Any = None, **context: Any):
         super().__init__(cfg, algorithm=algorithm, **context)
-        self.critic_lr = getattr(algorithm, "critic_lr", None) or cfg.lr
+        self.critic_lr = (algorithm.critic_lr if isinstance(algorithm, CriticAlgorithm) else None) or cfg.lr
         self.critic: ValueModel | None = None
         self.critic_optim: torch.optim.Optimizer | None = None
 

@@ -111,15 +111,16 @@ def spec_edit(table: ReplayTable) -> Callable[[Any], Any]:
 
 def table_for(spec: Any, hf_model: torch.nn.Module, arch: Any) -> ReplayTable | None:
     """The replay table of a trainer whose model spec records routing (None otherwise)."""
-    from miles.protocols import RecordsRouting
+    from miles.protocols import RecordsRouting, RoutingRecorder
 
     if not isinstance(spec, RecordsRouting):
         return None
     if not arch.moe:
         raise MilesError(f"model spec {type(spec).__name__} records MoE routing, but the model "
                          f"({arch.family}) has no MoE layers")
-    extension = getattr(spec.routing_recorder(hf_model), "extension", None)
+    recorder = spec.routing_recorder(hf_model)
+    extension = recorder.extension if isinstance(recorder, RoutingRecorder) else None
     if not isinstance(extension, str):
-        raise MilesError(f"model spec {type(spec).__name__}: its routing recorder names no "
-                         f"Sample.extensions key (`extension`)")
+        raise MilesError(f"model spec {type(spec).__name__}: its routing recorder is no "
+                         f"miles.protocols.RoutingRecorder naming its Sample.extensions key (`extension`)")
     return ReplayTable(arch.num_layers, arch.topk, arch.experts, extension)

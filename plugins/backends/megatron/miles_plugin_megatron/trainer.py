@@ -233,8 +233,8 @@ class MegatronTrainer:
                 width = size
             elif self.ep > 1:
                 width = max(1, max(len(range(k * size, min((k + 1) * size, c))) for c in counts))
-            run = _move(batch.select(own + [own[0] if own else 0] * (width - len(own))), self.device)
-            plan.append((run, _move(batch.select(own), self.device) if own else None))
+            run = batch.select(own + [own[0] if own else 0] * (width - len(own))).to(self.device)
+            plan.append((run, batch.select(own).to(self.device) if own else None))
         return plan, counts
 
     @torch.no_grad()
@@ -467,14 +467,3 @@ def _edits(*edits: Any) -> Any:
         return spec
 
     return edit
-
-
-def _move(batch: Batch, device: torch.device) -> Batch:
-    from dataclasses import fields, replace
-
-    if device.type == "cpu":
-        return batch
-    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}
-    extras = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.extras.items()}
-    return replace(batch, **moved, extras=extras)

@@ -101,7 +101,7 @@ def make(cfg, tag: str, seed: int = 0, critic: bool = False):
 
     from miles_plugin_megatron import _make
 
-    algo = SimpleNamespace(needs_critic=critic, critic_lr=1e-2)
+    algo = SimpleNamespace(needs_critic=critic, critic_lr=1e-2, value_loss=value_mse)
     return _make(cfg, spec=spec(tag), tokenizer=None, seed=seed, total_steps=10, algorithm=algo)
 
 

@@ -12,7 +12,7 @@ def make_critic(family: str, **cfg):
     from miles_plugin_megatron import _make
 
     cfg = MegatronConfig(device="cpu", precision="fp32", **{"lr": 1e-3, **cfg})
-    algo = SimpleNamespace(needs_critic=True, critic_lr=1e-2)
+    algo = SimpleNamespace(needs_critic=True, critic_lr=1e-2, value_loss=mse)  # a CriticAlgorithm
     return _make(cfg, spec=Spec(family), tokenizer=None, seed=0, total_steps=10, algorithm=algo)
 
 

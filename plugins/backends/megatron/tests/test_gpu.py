@@ -118,7 +118,11 @@ def test_critic_values_match_hf_and_learn_returns():
 
     spec = Spec("qwen2", tie_word_embeddings=True)
     b = batch(rows=8)
-    algo = SimpleNamespace(needs_critic=True, critic_lr=1e-3)
+
+    def mse(mb, v):
+        return ((v - mb.extras["returns"]) ** 2 * mb.loss_mask).sum() / mb.global_tokens, {}
+
+    algo = SimpleNamespace(needs_critic=True, critic_lr=1e-3, value_loss=mse)
     tr = _make(MegatronConfig(device="cuda", precision="fp32", lr=1e-3), spec=spec, tokenizer=None, seed=0,
                total_steps=10, algorithm=algo)
     tr.build_critic()
@@ -137,10 +141,6 @@ def test_critic_values_match_hf_and_learn_returns():
     tr.cfg = tr.cfg.model_copy(update={"precision": "bf16"})
     b.extras["returns"] = torch.where(b.advantages > 0, 1.0, -1.0)
     policy = tr.logprobs(b)
-
-    def mse(mb, v):
-        return ((v - mb.extras["returns"]) ** 2 * mb.loss_mask).sum() / mb.global_tokens, {}
-
     errors = []
     for _ in range(10):
         errors.append(float(((tr.values(b) - b.extras["returns"]) ** 2 * b.loss_mask).sum() / b.loss_mask.sum()))

@@ -245,12 +245,7 @@ class TorchEngine(WeightReceiver):
         """``[B, R]`` log-probs of a training batch's response tokens under this engine's weights,
         by ``logprob_fn(model, batch)`` (true on-policy: the trainer's own routine, on the
         identically shaped batch, so both sides compute the same numbers bit for bit)."""
-        if self.device.type != "cpu":
-            from dataclasses import fields, replace
-
-            batch = replace(batch, **{f.name: getattr(batch, f.name).to(self.device) for f in fields(batch)
-                                      if isinstance(getattr(batch, f.name), torch.Tensor)})
-        return logprob_fn(self.model, batch).float().cpu()
+        return logprob_fn(self.model, batch.to(self.device)).float().cpu()
 
     @torch.inference_mode()
     def logprobs(self, prompts: Sequence[Sequence[int]],

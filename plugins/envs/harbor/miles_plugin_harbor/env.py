@@ -16,6 +16,8 @@ from .config import HarborConfig
 
 
 class HarborEnv:
+    service = "harbor"  # played by the rollout of the same name (miles.protocols.ServiceEnv)
+
     def __init__(self, cfg: HarborConfig):
         self.cfg = cfg
         self._tasks: dict[str, list[Task]] = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from miles import MilesError, Sample, SamplingParams, Task
+from miles.protocols import LoadsWeights, ServiceEnv
 from miles.types import Status
 
 from .client import TERMINAL, HarborClient, HarborError
@@ -31,9 +32,9 @@ class HarborRollout:
 
     def generate(self, tasks: Sequence[Task], n: int, *, engine: Any, env: Any, tokenizer: Any,
                  params: SamplingParams) -> list[list[Sample]]:
-        ecfg = getattr(env, "cfg", None)
-        if not hasattr(ecfg, "server_url"):
+        if not (isinstance(env, ServiceEnv) and env.service == "harbor"):
             raise MilesError("rollout.name: harbor runs trials on the harbor env's server: set env.name: harbor")
+        ecfg = env.cfg
         client = HarborClient(ecfg.server_url, timeout_s=ecfg.request_timeout_s, api_key_env=ecfg.api_key_env)
         try:
             details = run_job(client, job_config(ecfg, tasks, n, params), ecfg.job_timeout_s, ecfg.poll_interval_s)
@@ -42,7 +43,7 @@ class HarborRollout:
         by_task: dict[str, list[dict]] = defaultdict(list)
         for d in details:
             by_task[(d.get("task") or {}).get("name", "")].append(d)
-        version = int(getattr(engine, "weight_version", 0) or 0)
+        version = engine.weight_version if isinstance(engine, LoadsWeights) else 0
         groups = []
         for t in tasks:
             trials = by_task.get(t.metadata["name"], [])[:n]

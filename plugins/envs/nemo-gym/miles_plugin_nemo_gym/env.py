@@ -19,6 +19,8 @@ from .config import NemoGymConfig
 
 
 class NemoGymEnv:
+    service = "nemo-gym"  # played by the rollout of the same name (miles.protocols.ServiceEnv)
+
     def __init__(self, cfg: NemoGymConfig):
         self.cfg = cfg
         self._tasks: dict[str, list[Task]] = {}

@@ -13,6 +13,7 @@ import copy
 from typing import Any, Sequence
 
 from miles import MilesError, Sample, SamplingParams, Task
+from miles.protocols import LoadsWeights, ServiceEnv
 from miles.types import Status
 
 from .client import AgentDown, run_all
@@ -28,17 +29,17 @@ class NemoGymRollout:
 
     def generate(self, tasks: Sequence[Task], n: int, *, engine: Any, env: Any, tokenizer: Any,
                  params: SamplingParams) -> list[list[Sample]]:
-        ecfg = getattr(env, "cfg", None)
-        if not hasattr(ecfg, "agent_url"):
+        if not (isinstance(env, ServiceEnv) and env.service == "nemo-gym"):
             raise MilesError("rollout.name: nemo-gym runs trajectories on the nemo-gym env's agent "
                              "server: set env.name: nemo-gym")
+        ecfg = env.cfg
         bodies = [request_body(t.metadata["row"], params) for t in tasks for _ in range(n)]
         answers = run_all(ecfg.agent_url, bodies, timeout_s=ecfg.timeout_s,
                           connect_timeout_s=ecfg.connect_timeout_s, max_concurrency=ecfg.max_concurrency)
         down = [a for a in answers if isinstance(a, AgentDown)]
         if down and len(down) == len(answers):
             raise MilesError(f"rollout nemo-gym: {down[0]}")
-        version = int(getattr(engine, "weight_version", 0) or 0)
+        version = engine.weight_version if isinstance(engine, LoadsWeights) else 0
         samples = [to_sample(t, a, tokenizer, version) for t, a in
                    zip((t for t in tasks for _ in range(n)), answers)]
         failed = [s for s in samples if s.status == Status.FAILED]

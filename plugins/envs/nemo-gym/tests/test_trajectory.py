@@ -118,7 +118,12 @@ class Tok:
 
 
 class Engine:
+    """The run's engine as the rollout reads it (``miles.protocols.LoadsWeights``): its weight version."""
+
     weight_version = 4
+
+    def load_weights(self, named_tensors, version):
+        self.weight_version = version
 
 
 def roll(url, modes, max_failed_fraction=1.0, timeout_s=1.0):

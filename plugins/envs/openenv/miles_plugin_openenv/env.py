@@ -22,6 +22,8 @@ RESET_CHUNK = 16  # sessions opened at once while listing tasks (servers cap con
 
 
 class OpenEnvEnv:
+    service = "openenv"  # played by the rollout of the same name (miles.protocols.ServiceEnv)
+
     def __init__(self, cfg: OpenEnvConfig):
         self.cfg = cfg
         self.sessions = Sessions(cfg.base_url, cfg.connect_timeout_s, cfg.message_timeout_s)

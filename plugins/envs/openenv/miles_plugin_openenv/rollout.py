@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from miles import MilesError, Sample, SamplingParams, Task
+from miles.protocols import ServiceEnv
 from miles.types import Status
 
 from .client import EnvServerError, field_text
@@ -44,7 +45,7 @@ class OpenEnvRollout:
 
     def generate(self, tasks: Sequence[Task], n: int, *, engine: Any, env: Any, tokenizer: Any,
                  params: SamplingParams) -> list[list[Sample]]:
-        if not hasattr(env, "sessions") or not hasattr(env, "cfg"):
+        if not (isinstance(env, ServiceEnv) and env.service == "openenv"):
             raise MilesError("rollout.name: openenv plays episodes on the openenv env's server: "
                              "set env.name: openenv")
         from miles_tokens import encode_prompts
@@ -81,7 +82,7 @@ class OpenEnvRollout:
             e.versions += c.weight_versions or [c.weight_version]
             # each turn's prompt is the whole episode so far, so the latest turn's per-token
             # records (e.g. an MoE model's routed experts) cover every earlier turn too
-            e.extras.update(getattr(c, "extras", None) or {})
+            e.extras.update(c.extras)
             e.turns += 1
             e.status = Status.COMPLETED if c.finish_reason == "stop" else Status.TRUNCATED
         act = env.cfg.action_field

@@ -15,6 +15,8 @@ from .config import VerifiersConfig
 
 
 class VerifiersEnv:
+    service = "verifiers"  # played by the rollout of the same name (miles.protocols.ServiceEnv)
+
     def __init__(self, cfg: VerifiersConfig):
         self.cfg = cfg
         self.worker = WorkerClient(cfg.worker_url, cfg.connect_timeout_s, cfg.timeout_s + cfg.reply_grace_s)

@@ -14,7 +14,7 @@ import math
 from typing import Any, Sequence
 
 from miles import MilesError, Sample, SamplingParams, Task
-from miles.protocols import ReceivesWeights
+from miles.protocols import ReceivesWeights, ServiceEnv
 from miles.types import Status
 
 from .client import WorkerError
@@ -27,7 +27,7 @@ class VerifiersRollout:
 
     def generate(self, tasks: Sequence[Task], n: int, *, engine: Any, env: Any, tokenizer: Any,
                  params: SamplingParams) -> list[list[Sample]]:
-        if not hasattr(env, "worker") or not hasattr(env, "cfg"):
+        if not (isinstance(env, ServiceEnv) and env.service == "verifiers"):
             raise MilesError("rollout.name: verifiers plays episodes in the verifiers worker: set env.name: verifiers")
         if engine is not None and not (isinstance(engine, ReceivesWeights) and engine.remote):
             # the worker samples from env.policy_url: an engine inside this process would never

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from miles import MilesError
+from miles.protocols import DiffusionSpec
 
 from . import sde, text
 from .config import DiffusersEngineConfig
@@ -15,7 +16,7 @@ from .cudagraphs import VelocityGraphs
 
 class DiffusersEngine:
     def __init__(self, cfg: DiffusersEngineConfig, *, spec: Any, tokenizer: Any, seed: int = 0, **_: Any):
-        if not hasattr(spec, "text_encoder"):
+        if not isinstance(spec, DiffusionSpec):
             raise MilesError(f"engine 'diffusers' needs model.name: diffusers (got a {type(spec).__name__})")
         self.cfg, self.spec, self.tokenizer, self.seed = cfg, spec, tokenizer, seed
         self.device = torch.device(cfg.device)

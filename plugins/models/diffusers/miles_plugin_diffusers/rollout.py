@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 from miles import MilesError, Sample, Task
+from miles.protocols import SamplesImages
 
 from . import shapes
 from .config import DiffusionRolloutConfig
@@ -30,7 +31,7 @@ class DiffusionRollout:
 
     def generate(self, tasks: Sequence[Task], n: int, *, engine: Any, env: Any = None, tokenizer: Any = None,
                  params: Any = None) -> list[list[Sample]]:
-        if not hasattr(engine, "sample"):
+        if not isinstance(engine, SamplesImages):
             raise MilesError(f"rollout 'diffusion' needs engine.name: diffusers (got {type(engine).__name__})")
         # temperature 0 (evaluation): the ODE sampler from fixed noise; otherwise random noise,
         # through the SDE sampler (per-step log-probs) or, with rollout.sampler ode, the ODE one

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from miles import MilesError
+from miles.protocols import Exports
 
 from .config import LoraSpecConfig, resolve_base
 
@@ -92,7 +93,7 @@ class LoraSpec:
         peft_model.base_model.model.load_state_dict(dict(named_weights), strict=True)
         merged = peft_model.merge_and_unload()
         if not self.causal_lm:
-            if not hasattr(self.base, "save_pretrained"):
+            if not isinstance(self.base, Exports):
                 raise MilesError(f"model.base: spec {type(self.base).__name__} cannot export; "
                                  f"miles export needs a base spec with save_pretrained")
             self.base.save_pretrained(merged.state_dict().items(), tokenizer, path)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from miles import Sample, SamplingParams, Task
+from miles.protocols import OffersTools
 from miles.types import Status
 
 from .config import MultiTurnConfig
@@ -181,7 +182,7 @@ class MultiTurnRollout:
         (trained on, each ended by the tokenizer's EOS like a generated turn) and ``{"role":
         "tool", "content": ...}`` results (framed, ``loss_mask`` 0)."""
         use_template = self._use_template(tokenizer)
-        tools = env.tools() if env is not None and hasattr(env, "tools") else None
+        tools = env.tools() if isinstance(env, OffersTools) else None
         t = _Trajectory(task, encode_prompt(tokenizer, task.prompt, tools or [], use_template))
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         pending: list[str] = []
