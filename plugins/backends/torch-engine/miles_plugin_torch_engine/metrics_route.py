@@ -20,8 +20,9 @@ def mount_metrics_route(app: FastAPI, engine: Any, scheduler: Any) -> None:
 
     def snapshot() -> tuple[dict[str, float], dict[str, float]]:
         stats = dict(scheduler.stats)
-        gauges = {"engine_requests_running": stats.get("num_running", 0), "engine_requests_queued": scheduler.num_waiting,
-                  "engine_weight_version": engine.weight_version, "engine_paused": float(bool(scheduler.paused))}
+        gauges = {"engine_requests_running": stats.get("num_running", 0),
+                  "engine_requests_queued": scheduler.num_waiting, "engine_weight_version": engine.weight_version,
+                  "engine_paused": float(bool(scheduler.paused))}
         return gauges, {name: stats[key] for key, name in COUNTERS.items() if key in stats}
 
     reg = registry(snapshot, helps=HELP)

@@ -15,6 +15,7 @@ from miles_telemetry.files import DEVICES, SAMPLES, TIMELINE
 
 LIVE_SECONDS = 30.0  # a run whose files changed this recently is shown as running
 MAX_DEVICE_ROWS = 2000
+STALE_LINE_SECONDS = 5.0  # a last line without its newline this long was cut by a kill
 
 
 class RunView:
@@ -111,6 +112,9 @@ class RunView:
             problems += [f"skipped {p}" for p in t.problems[:5]]
             if len(t.problems) > 5:
                 problems.append(f"skipped {len(t.problems) - 5} more bad lines in {t.path.name}")
+            cut = t.pending()
+            if cut and time.time() - t.path.stat().st_mtime > STALE_LINE_SECONDS:  # not a write in progress
+                problems.append(f"skipped {cut}")
         steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
         last = max(steps, default=None)
         total = (cfg.get("run") or {}).get("steps") if isinstance(cfg.get("run"), dict) else None

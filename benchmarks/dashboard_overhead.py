@@ -1,0 +1,59 @@
+"""What recording for ``miles dashboard`` costs a run whose dashboard is closed: the quickstart's RL
+steps (``recipes/quickstart.yaml``, warm start left out) with ``run.telemetry`` on and off.
+
+Two figures: the recorder's own time (the step metric ``telemetry_seconds``: spans, sample picks,
+training log-prob copies, the timeline and sample lines, device readings on their thread) over the
+step time, and the median step time with telemetry on over off, from runs interleaved so a busy
+machine slows both alike. The target is at most 2% (a ratio of 1.02).
+
+    python benchmarks/dashboard_overhead.py [--steps 30] [--repeats 3] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(out: Path, steps: int, telemetry: bool) -> list[dict]:
+    cmd = [sys.executable, "-m", "miles.cli", "train", str(ROOT / "recipes/quickstart.yaml"), "run.warm_start=null",
+           f"run.steps={steps}", f"run.out_dir={out}", "run.eval_every=100000", "run.checkpoint_every=100000",
+           f"run.telemetry.enabled={'true' if telemetry else 'false'}", "loggers=[]"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        sys.exit(f"miles train failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] > 2]  # the first steps warm caches up
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="8 steps, 1 repeat (a smoke run)")
+    a = ap.parse_args()
+    steps, repeats = (8, 1) if a.quick else (a.steps, a.repeats)
+    on_steps, off_steps, own, total = [], [], 0.0, 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeats):
+            for telemetry in (True, False):
+                rows = run(Path(tmp) / f"{i}-{telemetry}", steps, telemetry)
+                (on_steps if telemetry else off_steps).extend(r["step_seconds"] for r in rows)
+                if telemetry:
+                    own += sum(r.get("telemetry_seconds", 0.0) for r in rows)
+                    total += sum(r["step_seconds"] for r in rows)
+    on, off = statistics.median(on_steps), statistics.median(off_steps)
+    print(f"quickstart RL steps: {len(on_steps)} with telemetry, {len(off_steps)} without")
+    print(f"recorder's own time / step time: {own / total:.4f} ({own / max(len(on_steps), 1) * 1e3:.2f} ms a step)")
+    print(f"median step seconds: on {on:.4f}, off {off:.4f}")
+    print(f"ratio on/off: {on / off:.3f}")
+
+
+if __name__ == "__main__":
+    main()
