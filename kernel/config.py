@@ -342,6 +342,7 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
     rollout, rollout_settings, mode_settings = _rollout_section(pm, data, run, problems)
     components = {s: validate_section(pm, s, data.get(s), problems) for s in SECTION_KINDS}
     _default_launcher(pm, data, components, problems)
+    _ranks_agree(data, components, problems)
     if rollout is not None:
         problems += _memory_problems(rollout)
     if run is not None and rollout is not None and rollout.true_on_policy and run.mode != "sync":
@@ -420,6 +421,17 @@ def _plugin_problems(pm: MilesPluginManager, cfg: Config) -> list[str]:
                             f"{type(answer).__name__} {answer!r:.60}; it must return a list of problem "
                             f"strings (or None: no problems)")
     return problems
+
+
+def _ranks_agree(data: dict[str, Any], components: dict[str, Any], problems: list[str]) -> None:
+    """``trainer.world_size`` and a launcher's ``trainer_ranks`` count the same processes: two
+    different numbers are refused here, not by a trainer rank after the launch files are written."""
+    trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else {}
+    ranks = getattr(components["launcher"][1], "trainer_ranks", None)
+    size = trainer.get("world_size")
+    if isinstance(size, int) and isinstance(ranks, int) and size != ranks:
+        problems.append(f"trainer.world_size: {size}, but launcher.trainer_ranks starts {ranks} rank(s); set "
+                        f"one of them (trainer.world_size: null follows the launcher)")
 
 
 def _default_launcher(pm: MilesPluginManager, data: dict[str, Any], components: dict[str, Any],

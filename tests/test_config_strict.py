@@ -155,3 +155,21 @@ def test_a_logger_factory_that_raises_is_named(capfd, tmp_path):
     assert code == 2 and "logger 'boom'" in text and "no dashboard server" in text, text
     assert "Traceback" not in text and not run.exists()
 
+
+
+def _launch_cases() -> list[tuple[list[str], str]]:
+    import torch
+
+    cases = [(["launcher.name=local", "launcher.engines=0", "launcher.trainer_ranks=1", "trainer.world_size=2"],
+              "trainer.world_size: 2, but launcher.trainer_ranks starts 1"),
+             (["launcher.name=local", "launcher.host=0.0.0.0"], "keep 127.0.0.1"),
+             (["sync.name=p2p"], "transport.name: p2p writes into engine processes")]
+    if not torch.cuda.is_available():
+        cases.append((["trainer.name=megatron"], "torch sees no CUDA GPU here"))
+    return cases
+
+
+def test_runs_a_launch_would_reject_are_refused_before_anything_is_written(capfd, tmp_path):
+    for overrides, said in _launch_cases():
+        text = refused(capfd, tmp_path, "run.warm_start=null", *overrides)
+        assert said in text, (overrides, text)

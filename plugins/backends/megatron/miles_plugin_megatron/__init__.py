@@ -21,3 +21,16 @@ def _make(cfg, **context):
     from .trainer import MegatronTrainer
 
     return MegatronTrainer(cfg, **context)
+
+
+@hookimpl
+def miles_validate_config(config):
+    """No CUDA GPU for a cuda device: told with the config, before a run writes anything."""
+    if config.name("trainer") != "megatron" or not config.settings("trainer").device.startswith("cuda"):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return [f"trainer.device: {config.settings('trainer').device!r}, but torch sees no CUDA GPU here, and "
+            f"megatron-core's forward needs one; run on a GPU machine or use trainer.name: fsdp2 on CPU"]

@@ -26,6 +26,14 @@ class LocalLauncherConfig(BaseModel):
                                     "after Ctrl-C/SIGTERM before they are killed")
 
     @model_validator(mode="after")
+    def _loopback_host(self):
+        # every process of a local launch is on this machine, and its engine workers take no API key
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.host.startswith("127."):
+            raise ValueError(f"host {self.host!r} would expose the engine workers beyond this machine without "
+                             f"an API key; the local launcher runs every process here, so keep 127.0.0.1")
+        return self
+
+    @model_validator(mode="after")
     def _devices_match(self):
         if self.trainer_devices is not None and len(self.trainer_devices) != self.trainer_ranks:
             raise ValueError(f"trainer_devices lists {len(self.trainer_devices)} devices for "

@@ -14,3 +14,16 @@ def _make(cfg, **_):
     from .transport import P2PTransport
 
     return P2PTransport(cfg)
+
+
+@hookimpl
+def miles_validate_config(config):
+    """p2p writes into engines of other processes; the in-process torch engine (no launcher, or
+    launcher.engines: 0) has no endpoint to write to: told with the config, before anything is written."""
+    if config.name("transport") != "p2p" or config.name("engine") != "torch":
+        return None
+    if config.name("launcher") is not None and getattr(config.settings("launcher"), "engines", 0) > 0:
+        return None
+    return ["transport.name: p2p writes into engine processes, but this run's engine is inside the trainer; "
+            "use `miles serve` workers (launcher.name: local with launcher.engines >= 1, or engine.name: sglang), "
+            "or transport.name: tensor for an in-process engine"]
