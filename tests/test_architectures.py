@@ -112,6 +112,19 @@ def test_each_model_type_has_its_architecture(model_type):
     assert arch.check_config({"model_type": model_type, **COMMON, **MODELS[model_type]}) == []
 
 
+def test_an_inline_config_the_architecture_cannot_build_is_a_config_error(tmp_path, capsys):
+    import yaml
+    from miles.cli import main
+
+    recipe = yaml.safe_load((RECIPES / "deepseek.yaml").read_text())
+    recipe["model"] = {"name": "hf", "config": {**recipe["model"]["base"]["config"], "n_group": 3}}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["train", str(tmp_path / "bad.yaml"), f"run.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr()
+    assert "n_routed_experts (8) must be a multiple of n_group (3)" in err.out + err.err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("model_type", MODELS)
 def test_engine_logprobs_equal_a_transformers_forward(model_type, tok):
     """Left-padded prompts of different lengths, 2 samples each sharing their prompt's prefill,

@@ -13,3 +13,15 @@ def _make(cfg, *, pm=None, **_):
     from .spec import HFModelSpec
 
     return HFModelSpec(cfg, pm)
+
+
+@hookimpl
+def miles_validate_config(config, pm):
+    """An inline config the architecture plugin of its model_type cannot build (e.g. experts not
+    divisible into routing groups) is reported with the other config problems."""
+    if config.name("model") != "hf" or config.settings("model").config is None:
+        return None
+    inline = config.settings("model").config
+    if inline["model_type"] not in pm.registry("architectures"):
+        return None
+    return pm.create("architectures", inline["model_type"], None).check_config(inline) or None
