@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 T = TypeVar("T")
 MAX_SAMPLES_PER_REQUEST = 4096  # prompts x n of one request, on /generate and /v1 alike
 GROUP_JOIN_TIMEOUT_S = 600.0
-INLINE_BODY_BYTES = 64 * 1024  # smaller bodies parse and tokenize in well under a millisecond
+INLINE_BODY_BYTES = 16 * 1024  # smaller bodies parse and tokenize in a few milliseconds at most
 
 
 class ServerLimits(BaseModel):
@@ -160,23 +160,25 @@ class Prep:
     """Runs request preparation (parsing, tokenization, chat templates) for large bodies on a few
     threads of its own, so the event loop keeps answering /health and small requests meanwhile;
     a body under ``INLINE_BODY_BYTES`` is prepared at once on the loop (cheaper than a thread
-    hop). At most ``max_queued`` large requests wait or run here: their bodies and tokens are
-    what a burst of them would otherwise pile up in memory."""
+    hop). At most ``max_queued_mb`` of bodies wait or run here (a request over that gets a 503):
+    their texts and tokens are what a burst of large requests would otherwise pile up in memory."""
 
-    def __init__(self, workers: int = 2, max_queued: int = 8):
+    def __init__(self, workers: int = 2, max_queued_mb: float = 256.0):
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="miles-prep")
-        self.max_queued, self.queued = max_queued, 0
+        self.max_queued, self.queued = int(max_queued_mb * 2**20), 0
 
-    async def run(self, size: int, fn: Callable[[], T]) -> T:
-        if size <= INLINE_BODY_BYTES:
+    async def run(self, size: int, fn: Callable[[], T], offload: bool = False) -> T:
+        """``fn()``, on a thread when ``size`` (the body's bytes) is large or ``offload``."""
+        if size <= INLINE_BODY_BYTES and not offload:
             return fn()
-        if self.queued >= self.max_queued:
-            raise ServerBusy(f"{self.queued} large requests are being prepared; retry shortly")
-        self.queued += 1
+        size = min(size, self.max_queued)  # one body of any size is taken when nothing waits
+        if self.queued + size > self.max_queued:
+            raise ServerBusy(f"{self.queued // 2**20} MB of large requests are being prepared; retry shortly")
+        self.queued += size
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
         finally:
-            self.queued -= 1
+            self.queued -= size
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

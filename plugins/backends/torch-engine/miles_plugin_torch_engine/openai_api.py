@@ -151,8 +151,7 @@ class OpenAIRoutes:
         raw = await request.body()
         try:
             # a client template renders in its own process: wait for it on a prep thread
-            size = len(raw) if b"chat_template" not in raw else len(raw) + 2**30
-            body, prompt, max_new = await self._prepare(size, prepare)
+            body, prompt, max_new = await self._prepare(len(raw), prepare, b"chat_template" in raw)
             choices = await self._run([prompt], body, max_new,
                                       (body.top_logprobs or 0) if body.logprobs else 0, request)
         except OpenAIError as e:
@@ -169,10 +168,10 @@ class OpenAIRoutes:
                              "prompt_token_ids": choices[0].prompt if choices else []})
 
     # -- requests --------------------------------------------------------------------------------
-    async def _prepare(self, size: int, fn: Any) -> Any:
+    async def _prepare(self, size: int, fn: Any, offload: bool = False) -> Any:
         """``fn()`` through ``Prep`` (off the loop for large bodies), its errors as OpenAI's."""
         try:
-            return await self.prep.run(size, fn)
+            return await self.prep.run(size, fn, offload)
         except ValidationError as e:
             raise OpenAIError(errors_text(e)) from None
         except PromptTooLarge as e:

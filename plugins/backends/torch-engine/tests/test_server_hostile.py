@@ -177,6 +177,48 @@ def test_a_small_request_does_not_wait_behind_a_huge_one(engine):
     assert len(big.items[0].completions) == 2048 and len(small.items[0].completions) == 1
 
 
+def test_a_seeded_request_is_admitted_whole(engine):
+    """Splitting would draw a seeded request's samples from several fresh generators."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=7)
+
+    def run(admit):
+        sched = Scheduler(engine, admit_samples=admit)
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            r = Request(rid="s", loop=loop, future=loop.create_future(), seeded=True,
+                        items=[Item((2, 5), params, 40), Item((2, 6), params, 40)])
+            sched.submit(r)
+            await r.future
+            return [c.token_ids for item in r.items for c in item.completions], sched.stats["num_batches"]
+
+        try:
+            return asyncio.run(main())
+        finally:
+            sched.stop()
+
+    (split, batches), (whole, _) = run(8), run(1024)
+    assert split == whole and batches == 1
+
+
+def test_large_bodies_are_prepared_off_the_loop_within_a_memory_bound():
+    from miles_plugin_torch_engine.limits import Prep, ServerBusy
+
+    prep, release = Prep(max_queued_mb=1.0), threading.Event()
+
+    async def main():
+        first = asyncio.create_task(prep.run(600_000, lambda: release.wait(10) and "first"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ServerBusy):
+            await prep.run(600_000, lambda: "second")
+        small = await prep.run(100, lambda: threading.current_thread().name)  # inline, not queued
+        release.set()
+        return await first, small
+
+    assert asyncio.run(main()) == ("first", threading.main_thread().name)
+    prep.close()
+
+
 def test_group_joins_to_a_dead_address_are_bounded(serve):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
