@@ -13,9 +13,9 @@ from typing import Callable
 
 from miles import MilesError  # public error type: a launcher prints it as one line, no traceback
 
-from .checks import distinct_ports, free_port, unused_port, work_folder
+from .checks import distinct_ports, free_port, port_free, unused_port, work_folder
 
-__all__ = ["ServerExited", "default_sigint", "distinct_ports", "free_port", "kill_until_gone",
+__all__ = ["ServerExited", "default_sigint", "distinct_ports", "free_port", "kill_until_gone", "port_free",
            "serve_until_stopped", "session_pids", "stop_session", "unused_port", "venv_from_script", "work_folder"]
 
 

@@ -3,12 +3,13 @@ Each failure is a ``MilesError`` (exit 2) whose message names the flag and the f
 prints it as one line, as ``miles`` does, instead of a traceback."""
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
 from miles import MilesError
 
-__all__ = ["distinct_ports", "free_port", "unused_port", "work_folder"]
+__all__ = ["distinct_ports", "free_port", "port_free", "unused_port", "work_folder"]
 
 _GIVEN: set[int] = set()
 
@@ -28,16 +29,44 @@ def free_port(flag: str, port: int) -> int:
     return port
 
 
-def unused_port() -> int:
-    """A port nothing listens on at 127.0.0.1, never the same twice in this process: servers started
-    together (before any of them binds) each get their own."""
+def unused_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at ``host`` now, for a server to bind a moment later; never the
+    same twice in this process, so servers started together (before any of them binds) each get
+    their own. It is taken between Ray's worker ports (10002-19999) and the kernel's ephemeral
+    range where it can: a port from that range (what binding port 0 gives) may go to one of the
+    outgoing connections of a busy host before the server binds it."""
+    low = _ephemeral_low()
+    for _ in range(100 if low > 20_001 else 0):
+        port = random.randint(20_000, low - 1)
+        if port not in _GIVEN and port_free(host, port):
+            _GIVEN.add(port)
+            return port
     while True:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             port = s.getsockname()[1]
         if port not in _GIVEN:
             _GIVEN.add(port)
             return port
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now (a port in TIME_WAIT counts as free, as servers
+    set SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the port-0 fallback
+        return 0
 
 
 def distinct_ports(ports: dict[str, int]) -> None:

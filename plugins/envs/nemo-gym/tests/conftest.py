@@ -1,6 +1,4 @@
-import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -8,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from miles_procs import unused_port
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -26,15 +25,6 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports: every socket stays bound until all are picked."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def start_miles_serve(folder: Path, log: Path, port: int) -> tuple[subprocess.Popen, Callable[[], None]]:
@@ -69,7 +59,7 @@ def stack(tmp_path_factory):
     base = tmp_path_factory.mktemp("nemo_gym")
     ensure_venv()  # cold: builds the venv (minutes); warm: returns at once
     folder = tiny_policy.write(base / "policy")
-    port, agent_port, head_port, resources_port = free_ports(4)
+    port, agent_port, head_port, resources_port = (unused_port() for _ in range(4))
     url = f"http://127.0.0.1:{port}"
     # ng_run is given the model's name, so it needs no answer from miles serve to start: both load at once
     serve, serve_listens = start_miles_serve(folder, base / "serve.log", port)

@@ -1,23 +1,17 @@
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from miles_procs import unused_port
 
 
 @pytest.fixture(scope="session")
 def server_url(tmp_path_factory):
     """The bundled game served by OpenEnv's create_app under uvicorn, in its own process."""
-    port = free_port()
+    port = unused_port()
     log = tmp_path_factory.mktemp("openenv") / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "miles_plugin_openenv.server", "--port", str(port)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})

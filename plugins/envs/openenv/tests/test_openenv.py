@@ -1,13 +1,13 @@
 """The openenv env and rollout against real OpenEnv servers (create_app under uvicorn)."""
 import math
 import random
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from miles_procs import unused_port
 from miles import Completion, MilesError, Sample, SamplingParams, Task
 from miles.types import Status
 from miles_plugin_openenv.config import OpenEnvConfig, OpenEnvRolloutConfig
@@ -15,12 +15,6 @@ from miles_plugin_openenv.env import EVAL_SEED0, OpenEnvEnv
 from miles_plugin_openenv.game import GuessAction, SumGuessEnvironment
 from miles_plugin_openenv.rollout import OpenEnvRollout
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=3, seed=1)
@@ -173,7 +167,7 @@ def test_an_episode_that_never_succeeds_ends_at_max_turns(server_url):
 
 
 def test_server_down_is_a_clear_error_or_a_failed_sample():
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{unused_port()}"
     env = OpenEnvEnv(OpenEnvConfig(base_url=url, connect_timeout_s=2))
     t0 = time.monotonic()
     with pytest.raises(MilesError, match="base_url"):
@@ -209,7 +203,7 @@ def serve_in_thread():
     servers = []
 
     def start(env_cls):
-        port = free_port()
+        port = unused_port()
         app = create_app(env_cls, GuessAction, GuessObservation, max_concurrent_envs=64)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
         threading.Thread(target=server.run, daemon=True).start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import gc
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,15 +12,10 @@ from typing import Any
 import yaml
 
 from miles import MilesError
+from miles_procs import unused_port
 
 from .config import LocalLauncherConfig
 from .supervisor import Supervisor
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LocalLauncher:
@@ -77,7 +71,7 @@ class LocalLauncher:
                              "with launcher.engines: 0")
         urls = []
         for i in range(c.engines):
-            port = free_port(c.host)
+            port = unused_port(c.host)
             env = {"MILES_LAUNCHED": "1"}
             settings = dict(raw)
             if c.engine_devices is not None:
@@ -106,7 +100,7 @@ class LocalLauncher:
 
     def _start_trainers(self, sup: Supervisor, trainer_yaml: Path) -> None:
         c = self.cfg
-        master_port = free_port()
+        master_port = unused_port()
         for r in range(c.trainer_ranks):
             env = {"MILES_LAUNCHED": "1", "RANK": str(r), "WORLD_SIZE": str(c.trainer_ranks),
                    "LOCAL_RANK": "0" if c.trainer_devices is not None else str(r),

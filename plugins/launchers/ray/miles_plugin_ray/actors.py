@@ -10,9 +10,7 @@ import collections
 import ctypes
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,38 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-
-
-def free_port(host: str = "") -> int:
-    """A port free on this node now, for a server to bind a moment later. It is taken between Ray's
-    worker ports (10002-19999) and the kernel's ephemeral range: a port from the ephemeral range
-    (what binding port 0 gives) may go to one of the many outgoing connections of a busy node
-    before the server binds it, and the server then fails to start."""
-    low = _ephemeral_low()
-    for _ in range(100 if low > 20_001 else 0):
-        port = random.randint(20_000, low - 1)
-        if port_free(host, port):
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):  # not Linux: the port-0 fallback
-        return 0
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+from miles_procs import port_free, unused_port
 
 
 def _await_port(host: str, port: int, timeout: float) -> bool:
@@ -215,7 +182,7 @@ class TrainerActor:
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (rank 0 is the process-group master)."""
-        return ray.util.get_node_ip_address(), free_port()
+        return ray.util.get_node_ip_address(), unused_port("")
 
     def start(self, config_text: str, config_path: str, env: dict[str, str], cwd: str,
               urls: list[str] | None = None, urls_file: str | None = None) -> int:
@@ -255,7 +222,7 @@ class EngineActor:
         if not (Path(model_dir) / "config.json").is_file():  # another node: unpack the shipped copy
             model_dir = _unpack(ray.get(model_files[0]), index)
         if not _await_port(host, port, timeout=10.0):  # a restarted actor's old server may still hold it
-            port = free_port(host)
+            port = unused_port(host)
         self.url, self.api_key = f"http://{host}:{port}", api_key
         # bound to the node's address (other nodes' trainers reach it), so it requires the run's key
         child = Child(serve_argv(model_dir, host, port, api_key, serve_args), env, cwd if os.path.isdir(cwd) else None,

@@ -174,7 +174,9 @@ class RayLauncher:
 
     # -- engines -----------------------------------------------------------------------------------
     def _start_engines(self, ray: Any, pg: Any, config: Any, model_dir: Path, run_dir: Path) -> list[str]:
-        from .actors import EngineActor, free_port
+        from miles_procs import unused_port
+
+        from .actors import EngineActor
 
         c = self.cfg
         if c.engines == 0:
@@ -194,7 +196,7 @@ class RayLauncher:
             opts = self._options(pg, c.trainer_ranks + i, c.resources.engine, f"miles-engine-{i}",
                                  max_restarts=c.max_engine_restarts)
             self.engines.append(EngineActor.options(**opts).remote(
-                i, str(model_dir), files, serve_args, free_port(), env, os.getcwd(), str(run_dir / "logs"),
+                i, str(model_dir), files, serve_args, unused_port(""), env, os.getcwd(), str(run_dir / "logs"),
                 c.max_engine_restarts, self.api_key))
         return self._call(ray, self.engines, "address", "engine", timeout=c.startup_timeout_s)
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from miles_procs import unused_port
 
 ROOT = Path(__file__).resolve().parents[4]
 TINY = str(ROOT / "tests" / "tiny.yaml")
@@ -261,18 +262,6 @@ def stop_cluster(home) -> None:
                 pass
         if not nothing_left(home, timeout=grace):
             return
-
-
-def unused_port() -> int:
-    """A port free now and below the ephemeral range, so no outgoing connection takes it meanwhile."""
-    while True:
-        port = random.randint(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-                return port
-            except OSError:
-                continue
 
 
 def parent(pid: int) -> int:
