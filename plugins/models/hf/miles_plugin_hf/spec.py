@@ -18,10 +18,14 @@ class HFModelSpec:
     def model_type(self) -> str | None:
         if self.cfg.config is not None:
             return self.cfg.config["model_type"]
+        if self.cfg.gguf_file is not None:  # the GGUF header names the architecture (no tensors read)
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(self.cfg.folder, gguf_file=self.cfg.gguf_file).model_type
         import json
         from pathlib import Path
 
-        return json.loads((Path(self.cfg.path) / "config.json").read_text()).get("model_type")
+        return json.loads((Path(self.cfg.folder) / "config.json").read_text()).get("model_type")
 
     def architecture(self) -> Architecture | None:
         """The ``Architecture`` an installed plugin registers for this model's ``model_type``."""
@@ -37,13 +41,14 @@ class HFModelSpec:
     def build_tokenizer(self, default: Any = None) -> Any:
         from transformers import AutoTokenizer
 
-        folder = self.cfg.tokenizer or self.cfg.path
+        folder = self.cfg.tokenizer or self.cfg.folder
         if folder is None:
             if default is None:
                 raise MilesError("model.tokenizer is not set and the env offers no tokenizer; "
                                  "set model.tokenizer to a local tokenizer folder")
             return default
-        tok = AutoTokenizer.from_pretrained(folder)
+        gguf = {"gguf_file": self.cfg.gguf_file} if self.cfg.gguf_file and not self.cfg.tokenizer else {}
+        tok = AutoTokenizer.from_pretrained(folder, **gguf)
         if tok.pad_token_id is None:  # batching needs a pad id; eos is the usual stand-in
             tok.pad_token = tok.eos_token
         return tok
@@ -52,8 +57,10 @@ class HFModelSpec:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = getattr(torch, self.cfg.dtype)
+        if self.cfg.gguf_file is not None:
+            return _from_gguf(self.cfg.folder, self.cfg.gguf_file, dtype)
         if self.cfg.path is not None:
-            return AutoModelForCausalLM.from_pretrained(self.cfg.path, dtype=dtype)
+            return AutoModelForCausalLM.from_pretrained(self.cfg.folder, dtype=dtype)
         kw = dict(self.cfg.config)
         model_type = kw.pop("model_type")
         kw.setdefault("vocab_size", len(tokenizer))
@@ -80,3 +87,19 @@ class HFModelSpec:
         model.load_state_dict(dict(named_weights), strict=True)
         model.save_pretrained(path, safe_serialization=True)
         tokenizer.save_pretrained(path)
+
+
+def _from_gguf(folder: str, name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A causal LM from a GGUF file, dequantized by transformers' GGUF loader. The model keeps no
+    trace of the file's quantization, so it trains, checkpoints and saves as a plain float model
+    (transformers refuses to save a model that still carries the GGUF quantizer)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    except (ValueError, OSError, KeyError) as e:
+        raise MilesError(f"model.gguf_file {name} in {folder} could not be loaded: {str(e)[:300]}") from None
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
