@@ -209,6 +209,9 @@ class RolloutConfig(Strict):
                                    "whose groups were filtered out (bounded, never a hang)")
     minibatches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style "
                              "mini-batches; >1 recomputes old log-probs)")
+    reward_budget: float = Field(10.0, gt=0, description="seconds one sample's reward may take (a "
+                                 "miles_reward plugin or the env's verifier); slower calls are counted "
+                                 "(metric rewards_over_budget) and their source named once")
     eval_max_new_tokens: int | None = Field(None, gt=0, description="limit for greedy evaluation "
                                             "(default: max_new_tokens)")
     true_on_policy: bool = Field(False, description="the engine re-scores each training mini-batch "

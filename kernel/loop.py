@@ -28,6 +28,7 @@ from .protocols import (BuildsBatches, Console, CriticAlgorithm, Distributed, Ex
                         OffersTokenizer, Prepares, ReceivesWeights, ScoresBatches, SupportsCritic,
                         SuppliesSamples, SyncFilter, UsesTokenizer)
 from .protocols import EngineStats, Recorder
+from .rewardclock import StepShare
 from .rollouts import ModeContext, RolloutService
 from .types import Batch, Sample, SamplingParams
 
@@ -91,6 +92,7 @@ class Loop:
         self._previous: dict[int, Any] = {}
         self._synced_once = False
         self._resumed_step: int | None = None  # the checkpoint restore() resumed from
+        self._reward_share = StepShare(self.console)  # warns once when rewards take most of a step
         t = cfg.run.telemetry  # rank 0 records what miles dashboard shows
         self.recorder: Recorder = RunRecorder(t.enabled and self.main, t.samples, t.max_mb, t.devices_every, self.seed)
 
@@ -123,7 +125,7 @@ class Loop:
         self.rollout_component = rollout = pm.create("rollouts", r.name, cfg.rollout_settings,
                                                       out_dir=cfg.run.out_dir)
         self.rollouts = RolloutService(pm, rollout, engine, env, tokenizer, algorithm, self.console,
-                                       recorder=self.recorder) \
+                                       recorder=self.recorder, reward_budget=r.reward_budget) \
             if engine is not None else None
         ctx = ModeContext(cfg.mode_settings, r, self.rollouts, transport, [engine] if engine is not None else [],
                           list(env.tasks("train")), self.params, self.seed, algorithm.uses_rollout,
@@ -214,6 +216,13 @@ class Loop:
                 raise MilesError(f"miles_loss (plugin {who}) returned {type(custom).__name__} {custom!r:.80}; "
                                  f"it must return (loss tensor, metrics dict), or None to keep the algorithm's")
             loss, metrics = custom if custom is not None else algorithm.loss(batch, logprobs)
+            if getattr(logprobs, "requires_grad", False) and not getattr(loss, "requires_grad", True):
+                plugins = ", ".join(self.pm.describe(i.plugin) for i in self.pm.hook.miles_loss.get_hookimpls())
+                who = f"miles_loss (plugin {plugins})" if custom is not None \
+                    else f"algorithm {self.cfg.name('algorithm')!r}"
+                raise MilesError(f"{who} returned a loss that does not depend on the log-probs (no grad): "
+                                 f"nothing would train. Build the loss from the logprobs argument (not a detached "
+                                 f"copy or a constant), or return None to keep the algorithm's")
             self.recorder.train_logprobs(batch.samples, logprobs)  # the sample browser's token pairs
             if batch.samples and batch.samples[0].logprobs:
                 diff = (logprobs.detach() - batch.rollout_logprobs).abs()
@@ -460,6 +469,7 @@ class Loop:
             for step in range(start, cfg.run.steps + 1):
                 m = step_fn(step)
                 self._check_finite(step, m)
+                self._reward_share.check(step, m)
                 if step % cfg.run.eval_every == 0 or step == cfg.run.steps:
                     m.update(self.evaluate())
                 self.log(step, m)

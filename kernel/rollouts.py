@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from miles_tokens import decode_batch, encode_prompts
 
+from .errors import MilesError
+from .rewardclock import RewardClock
 from .types import Group, SamplingParams, Sample, Status, Task
 
 
@@ -20,7 +23,8 @@ class RolloutService:
     sample from training (``loss_mask`` zeroed, ``Status.FAILED``) and is reported once per source."""
 
     def __init__(self, pm: Any, rollout: Any, engine: Any, env: Any, tokenizer: Any, algorithm: Any,
-                 console: Callable[[str], None] = print, recorder: Any = None) -> None:
+                 console: Callable[[str], None] = print, recorder: Any = None,
+                 reward_budget: float = 10.0) -> None:
         self.pm, self.rollout, self.engine, self.env = pm, rollout, engine, env
         self.recorder = recorder  # miles.protocols.Recorder: generate, reward and filter spans
         self.tokenizer, self.algorithm, self.console = tokenizer, algorithm, console
@@ -32,6 +36,7 @@ class RolloutService:
         self._custom = pm.subset_hook_caller("miles_rollout", remove_plugins=own) if custom else None
         self._reported: set[str] = set()
         self.invalid_rewards = 0
+        self.clock = RewardClock(reward_budget, console)  # reward time against rollout.reward_budget
 
     def run(self, tasks: list[Task], n: int, params: SamplingParams) -> list[Group]:
         out: dict[int, list[Sample]] = {}
@@ -57,17 +62,26 @@ class RolloutService:
         return self.recorder.span(name) if self.recorder is not None else contextlib.nullcontext({})
 
     def keep(self, group: Group) -> bool:
-        """The algorithm's own filter and every ``miles_filter`` (any ``False`` drops the group)."""
+        """The algorithm's own filter and every ``miles_filter`` (any ``False`` drops the group);
+        an answer that is not True, False or None is an error naming its plugin, since reading
+        "no" as a vote to keep would train on groups the user meant to drop."""
         with self._span("filter"):
-            return self.algorithm.keep(group) and False not in self.pm.hook.miles_filter(group=group)
+            if not self.algorithm.keep(group):
+                return False
+            votes = self.pm.hook.miles_filter(group=group)
+            if any(not isinstance(v, bool) and type(v).__name__ != "bool_" for v in votes):
+                raise MilesError(_bad_filter(self.pm, group))
+            return False not in votes
 
     def score(self, s: Sample) -> None:
+        t0 = time.perf_counter()
         r, source = first_reward(self.pm, s)
         if r is None and s.reward is not None:
             r, source = s.reward, "the rollout"
         elif r is None:
             r, source = self.env.reward(s), "the env's verifier"
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        self.clock.record(source, time.perf_counter() - t0)
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not _finite(r):
             self.invalid_rewards += 1
             if source not in self._reported:
                 self._reported.add(source)
@@ -85,7 +99,28 @@ class RolloutService:
         if isinstance(self.env, EnvMetrics):  # e.g. the verifier's extraction failures
             m = {**m, **self.env.metrics(samples)}
         count, self.invalid_rewards = self.invalid_rewards, 0
+        m = {**m, **self.clock.metrics()}
         return {**m, "rewards_invalid": float(count)} if count else dict(m)
+
+
+def _finite(r: float) -> bool:
+    """Whether ``r`` is a finite float; an int too large for a float (10**400) is not."""
+    try:
+        return math.isfinite(r)
+    except OverflowError:
+        return False
+
+
+def _bad_filter(pm: Any, group: Group) -> str:
+    """Which ``miles_filter`` gave a non-bool answer, asked one by one on this error path only."""
+    for impl in pm.hook.miles_filter.get_hookimpls():
+        if impl.wrapper or impl.hookwrapper:
+            continue
+        v = impl.function(*[{"group": group}[a] for a in impl.argnames])
+        if v is not None and not isinstance(v, bool) and type(v).__name__ != "bool_":
+            return (f"miles_filter of plugin {pm.describe(impl.plugin)} returned {type(v).__name__} {v!r:.40}; "
+                    f"it must return True (keep the group), False (drop it) or None (no opinion)")
+    return "a miles_filter returned an answer that is not True, False or None"
 
 
 def first_reward(pm: Any, s: Sample) -> tuple[Any, str]:
