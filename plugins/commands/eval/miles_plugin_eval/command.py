@@ -29,6 +29,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     "answers and rewards")
     sp.add_argument("--untrained", action="store_true", help="evaluate the initial model when run.out_dir "
                     "holds no checkpoint (a baseline), instead of refusing")
+    runfolder.add_trust_flag(sp)
 
 
 def _check(args: argparse.Namespace) -> tuple[int, list[int]]:
@@ -54,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from miles.protocols import ExtractsAnswers
 
     n, ks = _check(args)
-    loop = Loop(*load(args.config, args.overrides, args.plugin or []))
+    # a run folder's own config.yaml may come from anyone: its plugins: are imported only on request
+    trusted = args.trust_run_plugins or not runfolder.is_run_config(args.config)
+    loop = Loop(*load(args.config, args.overrides, args.plugin or [], trust_listed=trusted))
     found = runfolder.latest(loop.cfg.run.out_dir)
     if found is None and not args.untrained:  # an untrained model's figures must not pass for the run's
         raise MilesError(f"miles eval: {loop.cfg.run.out_dir} holds no intact checkpoint (missing, empty or "
