@@ -2,7 +2,6 @@
 the config and the diffusion sample grids."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import yaml
 from miles import MilesError
+from miles_telemetry import latest_per_step, read_jsonl
 
 
 @dataclass
@@ -40,28 +40,6 @@ class Run:
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     seen.setdefault(k, None)
         return list(seen)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines file; a line cut short by a killed process, or one that is not UTF-8
-    text, is skipped."""
-    rows = []
-    for line in path.read_bytes().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def latest_per_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per step, the last one written (a file appended to by a rerun keeps the newest)."""
-    by_step: dict[Any, dict[str, Any]] = {}
-    for r in rows:
-        by_step[r.get("step")] = r
-    return sorted((r for s, r in by_step.items() if isinstance(s, int)), key=lambda r: r["step"])
 
 
 def read_run(folder: str | Path) -> Run:
