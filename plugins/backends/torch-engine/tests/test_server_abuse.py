@@ -6,23 +6,11 @@ import socket
 
 import httpx
 import pytest
-import torch
-from miles.testing import TinySpec, char_tokenizer
 
-from miles_plugin_torch_engine.config import TorchEngineConfig
-from miles_plugin_torch_engine.engine import TorchEngine
 from miles_plugin_torch_engine.scheduler import Scheduler
 from miles_plugin_torch_engine.server import build_app
 
 OK = {"input_ids": [2, 5], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield TorchEngine(TorchEngineConfig(), spec=TinySpec(), tokenizer=char_tokenizer(), seed=0)
-    torch.set_num_threads(before)
 
 
 def app_of(engine, **kw):
@@ -66,7 +54,7 @@ def test_group_join_to_a_closed_port_does_not_stall_generation(engine):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends
-    app, sched = app_of(engine, group_join_timeout_s=3.0)
+    app, sched = app_of(engine, group_join_timeout_s=3.0, group_connect_timeout_s=1.0)
     join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "g", "backend": "gloo"}
 

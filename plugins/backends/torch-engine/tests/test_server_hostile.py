@@ -9,26 +9,15 @@ import time
 
 import httpx
 import pytest
-import torch
 from miles import MilesError, SamplingParams
-from miles.testing import TinySpec, char_tokenizer
+from miles.testing import char_tokenizer
 
-from miles_plugin_torch_engine.config import TorchEngineConfig
-from miles_plugin_torch_engine.engine import TorchEngine
 from miles_plugin_torch_engine.guard import Guard
 from miles_plugin_torch_engine.limits import server_settings
 from miles_plugin_torch_engine.scheduler import Item, Request, Scheduler, fair_shares
 from miles_plugin_torch_engine.server import build_app, check_api_key
 
 LOOPS = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"  # 10^8 steps
-
-
-@pytest.fixture(scope="module")
-def engine():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield TorchEngine(TorchEngineConfig(), spec=TinySpec(), tokenizer=char_tokenizer(), seed=0)
-    torch.set_num_threads(before)
 
 
 @pytest.fixture

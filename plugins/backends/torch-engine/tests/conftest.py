@@ -1,0 +1,16 @@
+"""Fixtures of the server tests (a module that defines its own ``engine`` keeps it)."""
+import pytest
+import torch
+from miles.testing import TinySpec, char_tokenizer
+
+from miles_plugin_torch_engine.config import TorchEngineConfig
+from miles_plugin_torch_engine.engine import TorchEngine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The torch engine on a tiny random Qwen2, on one CPU thread (the tests share 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield TorchEngine(TorchEngineConfig(), spec=TinySpec(), tokenizer=char_tokenizer(), seed=0)
+    torch.set_num_threads(before)
