@@ -350,10 +350,12 @@ def resolve(pm: MilesPluginManager, data: dict[str, Any], source: str = "config"
         problems += _memory_problems(rollout)
     if run is not None and rollout is not None and rollout.true_on_policy and run.mode != "sync":
         problems.append("rollout.true_on_policy: needs run.mode sync (async rollouts come from older weights)")
-    if run is not None and run.warm_start is not None:  # its keys: the phase's plugin checks them
+    if run is not None and run.warm_start is not None:  # its keys: the plugin that runs it checks them
         if not pm.hook.miles_warm_start.get_hookimpls():
             problems.append("run.warm_start: no installed plugin runs a warm start (miles_warm_start); "
                             "pip install miles-plugin-sft, which does, or remove run.warm_start")
+        else:
+            problems += pm.hook.miles_validate_warm_start(settings=run.warm_start, pm=pm) or []
     loggers = []
     raw_loggers = data.get("loggers", [n for n in ("console",) if n in pm.registry("loggers")]) or []
     if not isinstance(raw_loggers, list):

@@ -66,14 +66,22 @@ def miles_warm_start(run: "RunContext", settings: dict[str, Any]) -> bool | None
     """Run the supervised warm start (``run.warm_start``) before the first RL step.
 
     Called once on every trainer rank of a run that has ``run.warm_start`` and no checkpoint yet;
-    ``settings`` are that section as given, for the implementing plugin to validate (its
-    ``miles_validate_config`` reports problems as ``run.warm_start.<key>``). ``run`` is the run
+    ``settings`` are that section as given, which the implementing plugin validates (and checks
+    beforehand in ``miles_validate_warm_start``). ``run`` is the run
     (``miles.protocols.RunContext``): the phase trains the trainer ``run.new_trainer(settings=,
     algorithm=, total_steps=)`` makes with ``run.update``, pushes and evaluates with
     ``run.publish``/``run.evaluate``, stops when ``run.stopping()``. Return ``True`` when done:
     the run's trainer starts from its weights. firstresult: ``None`` means "not mine";
     ``miles-plugin-sft`` implements it.
     """
+
+
+@hookspec(firstresult=True)
+def miles_validate_warm_start(settings: dict[str, Any], pm: "MilesPluginManager") -> list[str] | None:
+    """Check ``run.warm_start`` (``settings``, the section as given); called once per run that has
+    it, with the rest of the config, before anything is built. The plugin that runs the warm start
+    owns its keys and returns every problem, each starting with ``run.warm_start.<key>`` (``[]``:
+    none). firstresult: ``None`` means "not mine"."""
 
 
 @hookspec

@@ -28,11 +28,22 @@ def miles_warm_start(run, settings):
 
 
 @hookimpl
-def miles_validate_config(config, pm):
-    """``run.warm_start`` by this plugin's schema, its algorithm registered, and its ``trainer``
-    over the trainer section checked by the trainer's own schema; problems name ``run.warm_start.<key>``."""
-    if config.run.warm_start is None:
-        return None
+def miles_validate_warm_start(settings, pm):
+    """``run.warm_start`` by this plugin's schema, its algorithm registered."""
     from .warmstart import check
 
-    return check(config, pm)
+    return check(settings, pm)
+
+
+@hookimpl
+def miles_validate_config(config, pm):
+    """``run.warm_start.trainer`` over the trainer section, checked by the trainer's own schema."""
+    if config.run.warm_start is None or config.name("trainer") not in pm.registry("trainers"):
+        return None
+    from .warmstart import settings, trainer_settings
+
+    problems = []
+    ws = settings(config.run.warm_start, problems)
+    if ws is not None:
+        trainer_settings(config, pm, ws, problems)
+    return problems

@@ -17,9 +17,9 @@ from .config import WarmStartConfig
 from .demos import demo_samples, demonstrations
 
 
-def settings(config: Any, problems: list[str]) -> WarmStartConfig | None:
+def settings(raw: dict[str, Any], problems: list[str]) -> WarmStartConfig | None:
     """``run.warm_start`` (the kernel keeps it as given) validated by this plugin's schema."""
-    return validate_settings(WarmStartConfig, "run.warm_start", config.run.warm_start, problems)
+    return validate_settings(WarmStartConfig, "run.warm_start", raw, problems)
 
 
 def trainer_settings(config: Any, pm: Any, ws: WarmStartConfig, problems: list[str]) -> Any:
@@ -31,14 +31,13 @@ def trainer_settings(config: Any, pm: Any, ws: WarmStartConfig, problems: list[s
     return validate_settings(schema, "run.warm_start.trainer", merged, problems)
 
 
-def check(config: Any, pm: Any) -> list[str]:
-    """Every problem of ``run.warm_start``, each naming its ``run.warm_start.<key>``."""
+def check(raw: dict[str, Any], pm: Any) -> list[str]:
+    """Every problem of ``run.warm_start`` (as given), each naming its ``run.warm_start.<key>``."""
     problems: list[str] = []
-    ws = settings(config, problems)
-    if ws is not None:
-        registered(pm, "algorithms", "run.warm_start.algorithm", ws.algorithm, problems)
-        if config.name("trainer") in pm.registry("trainers"):
-            trainer_settings(config, pm, ws, problems)
+    ws = settings(raw, problems)
+    algorithm = ws.algorithm if ws is not None else raw.get("algorithm", "sft")
+    if isinstance(algorithm, str):  # reported with the other keys' problems, all at once
+        registered(pm, "algorithms", "run.warm_start.algorithm", algorithm, problems)
     return problems
 
 
@@ -48,7 +47,7 @@ def warm_start(run: RunContext, raw: dict[str, Any]) -> bool:
     ``patience`` evaluations without a gain of ``min_delta`` (not before ``min_steps``)."""
     cfg, env, tok = run.cfg, run.components.env, run.components.tokenizer
     problems: list[str] = []
-    ws = settings(cfg, problems)
+    ws = settings(raw, problems)
     if ws is None:  # miles_validate_config reported it before the run began
         raise ConfigError(problems, source="run.warm_start")
     demos = demonstrations(env, "run.warm_start", "remove run.warm_start or pick an env that provides them")
