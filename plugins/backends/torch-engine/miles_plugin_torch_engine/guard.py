@@ -1,5 +1,6 @@
 """The outermost layer of ``miles serve``'s app: the API key, a body size limit and a body read
-timeout, and JSON errors for whatever a route did not handle.
+timeout, and JSON errors for whatever a route did not handle; and the key and bind rules checked
+at start.
 
 The key is checked on the headers alone, before a byte of the body is read, so an
 unauthenticated client cannot hold a connection open with a slow body. Every body is then read
@@ -17,7 +18,10 @@ import json
 import logging
 from typing import Any
 
+from miles import MilesError
+
 LOG = logging.getLogger("miles.serve")
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 DEFAULT_MAX_BODY_MB = 8.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
@@ -102,3 +106,20 @@ class Guard:
                 break
             more = message.get("more_body", False)
         return b"".join(chunks)
+
+
+def check_api_key(api_key: str) -> None:
+    """A key clients can send: visible ASCII, no surrounding blanks (HTTP strips those from a
+    header, so a blank key would refuse every request)."""
+    if not api_key.strip():
+        raise MilesError("--api-key is blank: give a non-empty key (or leave --api-key out on 127.0.0.1)")
+    if api_key != api_key.strip() or not all(33 <= ord(c) < 127 for c in api_key):
+        raise MilesError("--api-key: use printable ASCII without spaces (clients send it in an HTTP "
+                         "header, which cannot carry the rest)")
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse to expose an unauthenticated engine beyond this machine."""
+    if host not in LOOPBACK and not api_key:
+        raise MilesError(f"--host {host} exposes the server beyond this machine: pass --api-key KEY "
+                         f"(clients then send 'Authorization: Bearer KEY'), or bind 127.0.0.1")

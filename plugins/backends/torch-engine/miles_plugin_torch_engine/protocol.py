@@ -1,5 +1,5 @@
-"""Request bodies of ``miles serve``'s ``/generate``: the subset of SGLang's ``GenerateReqInput``
-(``python/sglang/srt/managers/io_struct.py``) and ``SamplingParams``
+"""Request bodies of ``miles serve``'s ``/generate``, and its responses: the subset of SGLang's
+``GenerateReqInput`` (``python/sglang/srt/managers/io_struct.py``) and ``SamplingParams``
 (``python/sglang/srt/sampling/sampling_params.py``) the torch engine implements. Unknown fields and
 supported-in-SGLang-but-not-here values are rejected with a message naming them, rather than
 silently sampling something else than asked.
@@ -7,11 +7,17 @@ silently sampling something else than asked.
 from __future__ import annotations
 
 import re
+import time
 import uuid
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from miles import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .routing import encode_routed, routed_of
+
+if TYPE_CHECKING:
+    from .scheduler import Request
 
 
 class SamplingBody(BaseModel):
@@ -168,3 +174,48 @@ def errors_text(err: ValidationError) -> str:
         else:
             lines.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(lines)
+
+
+def _finish_reason(reason: str, tokens: list[int], abort_message: str | None) -> dict:
+    """SGLang's ``meta_info.finish_reason`` (``FINISH_MATCHED_TOKEN`` / ``FINISH_LENGTH`` /
+    ``FINISH_ABORT`` as JSON, ``managers/schedule_batch.py``)."""
+    if abort_message is not None or reason == "abort":
+        return {"type": "abort", "message": abort_message or "aborted"}
+    if reason == "stop":
+        return {"type": "stop", "matched": tokens[-1] if tokens else None}
+    return {"type": "length", "length": len(tokens)}
+
+
+def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: float,
+                   version: int) -> list[dict]:
+    """SGLang's ``/generate`` response items, ordered as SGLang orders parallel samples: all
+    prompts' first samples, then all second samples (``GenerateReqInput._expand_inputs``). Every
+    item carries a weight version, as SGLang's do: a request aborted before it ran reports
+    ``version``, the engine's now (a missing one reads as a server restarted from its model
+    folder to the sglang client, which would then push the same weights again)."""
+    from miles_tokens import decode_batch
+
+    n = req.items[0].n
+    rows = [(item, j) for j in range(n) for item in req.items]
+    comps = [None if req.aborted else item.completions[j] for item, j in rows]
+    texts = decode_batch(tokenizer, [c.token_ids if c else [] for c in comps])
+    logprobs = body.wants_logprobs
+    token_texts = (iter(decode_batch(tokenizer, [[t] for c in comps if c for t in c.token_ids]))
+                   if body.return_text_in_logprobs and logprobs else None)
+    latency = time.monotonic() - started
+    out = []
+    for k, ((item, _), comp, text) in enumerate(zip(rows, comps, texts)):
+        tokens = comp.token_ids if comp else []
+        meta = {"id": req.rid if len(rows) == 1 else f"{req.rid}_{k}",
+                "finish_reason": _finish_reason(comp.finish_reason if comp else "abort", tokens,
+                                                req.aborted),
+                "prompt_tokens": len(item.prompt), "completion_tokens": len(tokens),
+                "weight_version": comp.weight_version if comp else version, "e2e_latency": latency}
+        if logprobs:
+            meta["output_token_logprobs"] = [
+                [lp, t, next(token_texts) if token_texts else None]
+                for lp, t in zip(comp.logprobs if comp else [], tokens)]
+        if body.return_routed_experts and comp is not None and routed_of(comp) is not None:
+            meta.update(encode_routed(routed_of(comp)))
+        out.append({"text": text, "output_ids": list(tokens), "meta_info": meta})
+    return out

@@ -29,14 +29,13 @@ from miles import MilesError, SamplingParams
 from pydantic import ValidationError
 
 from .groups import GroupJoins, JoinBusy, check_join_args
-from .guard import Guard
+from .guard import Guard, check_api_key, check_bind
 from .limits import (Prep, PromptTooLarge, ServerBusy, ServerLimits, check_disk_path, check_prompts,
                      check_text_size, server_settings)
-from .protocol import GenerateBody, errors_text
-from .routing import encode_routed, routed_of, with_routing
+from .protocol import GenerateBody, errors_text, format_outputs
+from .routing import with_routing
 from .scheduler import Item, Request, Scheduler
 
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 # SGLang request fields with no effect on this engine: accepted and ignored when the engine's
 # method does not take them (io_struct.py UpdateWeight*ReqInput)
 SGLANG_NOOP_FIELDS = {"abort_all_requests", "flush_cache", "selector", "is_async", "torch_empty_cache",
@@ -88,51 +87,6 @@ def _error(message: str, status: int = 400):
 
 def _busy(message: str):
     return JSONResponse({"error": {"message": message}}, status_code=503, headers={"Retry-After": "1"})
-
-
-def _finish_reason(reason: str, tokens: list[int], abort_message: str | None) -> dict:
-    """SGLang's ``meta_info.finish_reason`` (``FINISH_MATCHED_TOKEN`` / ``FINISH_LENGTH`` /
-    ``FINISH_ABORT`` as JSON, ``managers/schedule_batch.py``)."""
-    if abort_message is not None or reason == "abort":
-        return {"type": "abort", "message": abort_message or "aborted"}
-    if reason == "stop":
-        return {"type": "stop", "matched": tokens[-1] if tokens else None}
-    return {"type": "length", "length": len(tokens)}
-
-
-def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: float,
-                   version: int) -> list[dict]:
-    """SGLang's ``/generate`` response items, ordered as SGLang orders parallel samples: all
-    prompts' first samples, then all second samples (``GenerateReqInput._expand_inputs``). Every
-    item carries a weight version, as SGLang's do: a request aborted before it ran reports
-    ``version``, the engine's now (a missing one reads as a server restarted from its model
-    folder to the sglang client, which would then push the same weights again)."""
-    from miles_tokens import decode_batch
-
-    n = req.items[0].n
-    rows = [(item, j) for j in range(n) for item in req.items]
-    comps = [None if req.aborted else item.completions[j] for item, j in rows]
-    texts = decode_batch(tokenizer, [c.token_ids if c else [] for c in comps])
-    logprobs = body.wants_logprobs
-    token_texts = (iter(decode_batch(tokenizer, [[t] for c in comps if c for t in c.token_ids]))
-                   if body.return_text_in_logprobs and logprobs else None)
-    latency = time.monotonic() - started
-    out = []
-    for k, ((item, _), comp, text) in enumerate(zip(rows, comps, texts)):
-        tokens = comp.token_ids if comp else []
-        meta = {"id": req.rid if len(rows) == 1 else f"{req.rid}_{k}",
-                "finish_reason": _finish_reason(comp.finish_reason if comp else "abort", tokens,
-                                                req.aborted),
-                "prompt_tokens": len(item.prompt), "completion_tokens": len(tokens),
-                "weight_version": comp.weight_version if comp else version, "e2e_latency": latency}
-        if logprobs:
-            meta["output_token_logprobs"] = [
-                [lp, t, next(token_texts) if token_texts else None]
-                for lp, t in zip(comp.logprobs if comp else [], tokens)]
-        if body.return_routed_experts and comp is not None and routed_of(comp) is not None:
-            meta.update(encode_routed(routed_of(comp)))
-        out.append({"text": text, "output_ids": list(tokens), "meta_info": meta})
-    return out
 
 
 def _accepted_kwargs(fn: Any, body: dict, route: str) -> dict:
@@ -221,16 +175,6 @@ def build_app(engine: Any, scheduler: Scheduler, *, model_dir: str, api_key: str
     app.add_middleware(Guard, max_body_bytes=int(lim.max_body_mb * 2**20), api_key=api_key,
                        body_timeout_s=lim.body_timeout_s)
     return app
-
-
-def check_api_key(api_key: str) -> None:
-    """A key clients can send: visible ASCII, no surrounding blanks (HTTP strips those from a
-    header, so a blank key would refuse every request)."""
-    if not api_key.strip():
-        raise MilesError("--api-key is blank: give a non-empty key (or leave --api-key out on 127.0.0.1)")
-    if api_key != api_key.strip() or not all(33 <= ord(c) < 127 for c in api_key):
-        raise MilesError("--api-key: use printable ASCII without spaces (clients send it in an HTTP "
-                         "header, which cannot carry the rest)")
 
 
 def _generate_route(app: FastAPI, engine: Any, scheduler: Scheduler, lim: ServerLimits, prep: Prep) -> None:
@@ -424,13 +368,6 @@ def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str, 
 
     handler.__name__ = route
     return handler
-
-
-def check_bind(host: str, api_key: str | None) -> None:
-    """Refuse to expose an unauthenticated engine beyond this machine."""
-    if host not in LOOPBACK and not api_key:
-        raise MilesError(f"--host {host} exposes the server beyond this machine: pass --api-key KEY "
-                         f"(clients then send 'Authorization: Bearer KEY'), or bind 127.0.0.1")
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -11,7 +11,8 @@ from miles.testing import TinySpec, char_tokenizer, listening_port
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine
 from miles_plugin_torch_engine.scheduler import Scheduler
-from miles_plugin_torch_engine.server import build_app, check_bind
+from miles_plugin_torch_engine.guard import check_bind
+from miles_plugin_torch_engine.server import build_app
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,10 +12,10 @@ import pytest
 from miles import MilesError, SamplingParams
 from miles.testing import char_tokenizer
 
-from miles_plugin_torch_engine.guard import Guard
+from miles_plugin_torch_engine.guard import Guard, check_api_key
 from miles_plugin_torch_engine.limits import server_settings
 from miles_plugin_torch_engine.scheduler import Item, Request, Scheduler, fair_shares
-from miles_plugin_torch_engine.server import build_app, check_api_key
+from miles_plugin_torch_engine.server import build_app
 
 LOOPS = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"  # 10^8 steps
 
