@@ -50,4 +50,4 @@ def test_multi_turn_demonstrations_need_a_rollout_that_lays_them_out(tmp_path, c
     path = tmp_path / "single_turn.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["train", str(path)]) == 2
-    assert "rollout.name 'single_turn' cannot lay out" in capsys.readouterr().err
+    assert "rollout.name 'single-turn' cannot lay out" in capsys.readouterr().err

@@ -29,7 +29,7 @@ def demo_samples(demos: Sequence, count: int, rng: random.Random, *, tokenizer: 
         if not isinstance(rollout, RendersTranscripts):
             which = f"rollout.name {rollout_name!r}" if rollout_name else f"the rollout {type(rollout).__name__}"
             raise MilesError(f"the env gives multi-turn demonstrations (task, messages), which {which} cannot "
-                             f"lay out; pick a rollout that can (e.g. rollout.name: multi_turn)")
+                             f"lay out; pick a rollout that can (e.g. rollout.name: multi-turn)")
         return [rollout.demonstration(task, msgs, tokenizer=tokenizer, env=env, version=version)
                 for task, msgs in picked]
     prompts = encode_prompts(tokenizer, [task.prompt for task, _ in picked])
