@@ -430,15 +430,12 @@ def _usage(choices: list[Choice]) -> dict:
 
 
 def _json(raw: bytes) -> dict:
+    from .server import parse_json
+
     try:
-        data = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"the request body is not valid JSON: {e}") from e
-    except RecursionError:
-        raise OpenAIError("the request body is JSON nested too deeply") from None
-    if not isinstance(data, dict):
-        raise OpenAIError("the request body must be a JSON object")
-    return data
+        return parse_json(raw)
+    except ValueError as e:
+        raise OpenAIError(str(e)) from None
 
 
 def _error(e: OpenAIError) -> JSONResponse:

@@ -129,6 +129,8 @@ def parse_json(raw: bytes) -> dict:
         raise ValueError("the request body is JSON nested too deeply") from None
     except UnicodeDecodeError:
         raise ValueError("the request body is not UTF-8 JSON") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError("the request body must be a JSON object")
     return data
