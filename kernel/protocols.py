@@ -12,8 +12,11 @@ from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iter
 
 from .types import Batch, Completion, Group, SamplingParams, Sample, Task
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover (annotations only: no torch at import, no import cycle)
     import torch
+
+    from .config import Config
+    from .plugins import MilesPluginManager
 
 LossFn = Callable[[Batch, "torch.Tensor"], "tuple[torch.Tensor, dict[str, float]]"]
 Named = Iterable[tuple[str, "torch.Tensor"]]
@@ -487,7 +490,7 @@ class Launcher(Protocol):
     failure or Ctrl-C. ``plugins``: launch-time plugin modules the children must load too.
     """
 
-    def launch(self, config: Any, pm: Any, plugins: list[str]) -> int: ...
+    def launch(self, config: Config, pm: MilesPluginManager, plugins: list[str]) -> int: ...
 
 
 @runtime_checkable
@@ -659,8 +662,8 @@ class RunContext(Protocol):
     ``export(path, why)``: a Hugging Face folder of the trainer's weights (no trainer: fresh ones).
     """
 
-    cfg: Any
-    pm: Any
+    cfg: Config
+    pm: MilesPluginManager
     main: bool
     version: int
     components: Any
