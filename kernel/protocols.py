@@ -548,6 +548,16 @@ class EngineStats(Protocol):
     def engine_stats(self) -> list[dict[str, Any]]: ...
 
 
+@runtime_checkable
+class EngineStepMetrics(Protocol):
+    """An engine with metrics of its own about the rollouts it generated, e.g. speculative
+    decoding's ``spec_accept_len`` and ``spec_accept_rate``: ``step_metrics()`` covers what it
+    generated since its last call (empty: nothing to report) and is merged into the step's (or an
+    evaluation's, prefixed ``eval_``) metrics."""
+
+    def step_metrics(self) -> dict[str, float]: ...
+
+
 # --- tools and multi-turn demonstrations ----------------------------------------------------------
 @runtime_checkable
 class OffersTools(Protocol):

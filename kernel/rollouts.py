@@ -93,11 +93,13 @@ class RolloutService:
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
         """The rollout component's and the env's own step metrics (e.g. ``turns_mean``), if any."""
-        from .protocols import EnvMetrics, RolloutMetrics
+        from .protocols import EngineStepMetrics, EnvMetrics, RolloutMetrics
 
         m = self.rollout.metrics(samples) if isinstance(self.rollout, RolloutMetrics) else {}
         if isinstance(self.env, EnvMetrics):  # e.g. the verifier's extraction failures
             m = {**m, **self.env.metrics(samples)}
+        if isinstance(self.engine, EngineStepMetrics):  # e.g. speculative decoding's acceptance
+            m = {**m, **self.engine.step_metrics()}
         count, self.invalid_rewards = self.invalid_rewards, 0
         m = {**m, **self.clock.metrics()}
         return {**m, "rewards_invalid": float(count)} if count else dict(m)

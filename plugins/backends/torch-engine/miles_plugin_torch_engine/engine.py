@@ -115,6 +115,12 @@ class TorchEngine(WeightReceiver):
         from .batching import select_fast_path
 
         self._fast = select_fast_path(cfg, self.model, self.device) if self._fp8 is None else None
+        self._spec = None  # engine.speculative: drafted steps the model verifies (speculative.py)
+        if cfg.speculative is not None:
+            from .speculative import setup
+
+            self._spec = setup(cfg, self.model, self._fast)
+            self._targets.update(self.model.named_parameters(remove_duplicate=False))  # the draft head's
         # an MoE spec with routing replay: completions carry the experts each token was routed to
         from .routing import RoutingLog
 
@@ -138,6 +144,10 @@ class TorchEngine(WeightReceiver):
 
             self._p2p = P2PState()
         return self._p2p
+
+    def step_metrics(self) -> dict[str, float]:
+        """Speculative decoding's acceptance since the last call (``miles.protocols.EngineStepMetrics``)."""
+        return self._spec.drain() if self._spec is not None else {}
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -165,8 +175,9 @@ class TorchEngine(WeightReceiver):
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         stop = set(params.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         if self._fast is not None:
-            return self._fast.generate(prompts, params, n, gen, sorted(stop), self.weight_version,
-                                       self.interrupt, self.dropped)
+            fast = self._spec if self._spec is not None and len(prompts) * n <= self._spec.max_batch else self._fast
+            return fast.generate(prompts, params, n, gen, sorted(stop), self.weight_version,
+                                 self.interrupt, self.dropped)
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         out: list[list[Completion]] = [[] for _ in prompts]
         for idx, reps in self._chunks(len(prompts), n):
