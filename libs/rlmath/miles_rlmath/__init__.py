@@ -10,6 +10,8 @@ Modules (each name is also importable from the package, loaded on first access s
 * ``kl``: ``kl_estimate`` (k1, k2, k3 = low_var_kl, clamped as verl clamps it);
 * ``ratio``: ``clamped_log_ratio``, ``ppo_clip_loss``, ``sequence_log_ratio`` (GSPO),
   ``tis_weights``, ``mismatch_keep``, ``sampled_entropy``;
+* ``mismatch``: the rollout/trainer mismatch corrections beside TIS: ``icepop_weights``,
+  ``sequence_ratio``, ``sequence_weights`` (sequence-level MIS / RS), ``apply_corrections``;
 * ``value``: ``value_clip_loss``, ``explained_variance``;
 * ``policy``: ``policy_loss`` (the clipped policy loss with every shared option) and ``reward_kl``;
 * ``logprobs``: ``token_logprobs`` (chosen tokens' log-probs from a model's logits; fused Triton
@@ -29,6 +31,7 @@ _MODULES = {
     "kl": ("KL_CLAMP", "KL_ESTIMATORS", "kl_estimate"),
     "ratio": ("LOG_RATIO_CLAMP", "SEQ_LOG_RATIO_MAX", "clamped_log_ratio", "ppo_clip_loss", "sequence_log_ratio",
               "tis_weights", "mismatch_keep", "sampled_entropy"),
+    "mismatch": ("token_ratio", "icepop_weights", "sequence_ratio", "sequence_weights", "apply_corrections"),
     "value": ("value_clip_loss", "explained_variance"),
     "policy": ("policy_loss", "reward_kl", "has_rollout_logprobs"),
     "logprobs": ("token_logprobs", "fused_available"),

@@ -1,7 +1,8 @@
 """Settings of the shared clipped policy loss (pydantic only: importable without torch).
 
 ``PolicyLossConfig`` holds the options every clipped policy loss shares (clipping, aggregation,
-KL as a loss term or in the reward, entropy bonus, rollout/trainer mismatch corrections);
+KL as a loss term or in the reward, entropy bonus, rollout/trainer mismatch corrections: TIS,
+the mismatch mask, IcePop, sequence-level MIS / RS);
 algorithm plugins (grpo, gspo, reinforce_pp, ppo) extend it with their own settings.
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+SeqCorrection = Literal["mis", "rs"]
+SeqRatio = Literal["geometric", "product"]
 
 
 class PolicyLossConfig(BaseModel):
@@ -59,6 +62,25 @@ class PolicyLossConfig(BaseModel):
         "[low, high]: tokens whose trainer/rollout ratio exp(old_logp - rollout_logp) leaves this "
         "band are dropped from the policy loss (numerator only; denominators stay the step's). "
         "Needs low <= 1 <= high. None disables it."))
+    icepop: tuple[float, float] | None = Field(None, description=(
+        "IcePop [low, high]: each token's policy loss is multiplied by its trainer/rollout ratio "
+        "exp(old_logp - rollout_logp) where that lies in [low, high], and by 0 outside (the IcePop "
+        "paper uses [0.5, 5]). Metrics icepop_masked_frac, icepop_weight_mean. Not with tis_cap "
+        "(both weight by the same ratio). None disables it."))
+    seq_correction: SeqCorrection | None = Field(None, description=(
+        "Sequence-level mismatch correction: 'mis' (masked importance sampling: the whole "
+        "sequence's loss times its trainer/rollout ratio inside seq_band, 0 outside) or 'rs' "
+        "(rejection sampling: the sequence is dropped outside seq_band, no weight). Metrics "
+        "seq_ratio_mean/min/max, seq_rejected_frac. None disables it."))
+    seq_ratio: SeqRatio = Field("geometric", description=(
+        "The sequence ratio of seq_correction: 'geometric' = exp(mean over tokens of the log "
+        "ratio), 'product' = exp(sum), the sequence's likelihood ratio (needs a wider seq_band)."))
+    seq_band: tuple[float, float] = Field((0.5, 2.0), description=(
+        "[low, high] of seq_correction: sequences whose ratio leaves it are dropped "
+        "(0 <= low <= 1 <= high)."))
+    seq_veto: float | None = Field(None, gt=0.0, lt=1.0, description=(
+        "With seq_correction: a sequence holding any trainable token whose ratio is below this is "
+        "dropped, however its other tokens average out (e.g. 1e-4). None disables it."))
 
     @field_validator("clip_low")
     @classmethod
@@ -74,11 +96,11 @@ class PolicyLossConfig(BaseModel):
             raise ValueError(f"dual_clip_c must be > 1 when set (it caps the loss at -c*A), got {v}")
         return v
 
-    @field_validator("mismatch_mask_band")
+    @field_validator("mismatch_mask_band", "icepop", "seq_band")
     @classmethod
-    def _band_contains_one(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+    def _band_contains_one(cls, v: tuple[float, float] | None, info) -> tuple[float, float] | None:
         if v is not None and not 0.0 <= v[0] <= 1.0 <= v[1]:
-            raise ValueError(f"mismatch_mask_band must be [low, high] with 0 <= low <= 1 <= high "
+            raise ValueError(f"{info.field_name} must be [low, high] with 0 <= low <= 1 <= high "
                              f"(a ratio of 1 means no mismatch), got {list(v)}")
         return v
 
@@ -87,6 +109,14 @@ class PolicyLossConfig(BaseModel):
         if self.clip_high is not None and self.clip_high < self.clip_low:
             raise ValueError(f"clip_high ({self.clip_high}) must be >= clip_low ({self.clip_low}); "
                              f"leave clip_high unset for a symmetric clip range")
+        # TIS, IcePop and MIS each multiply the loss by an importance ratio: two of them would
+        # weight a token twice by the same mismatch
+        weights = [k for k, on in (("tis_cap", self.tis_cap is not None), ("icepop", self.icepop is not None),
+                                   ("seq_correction: mis", self.seq_correction == "mis")) if on]
+        if len(weights) > 1:
+            raise ValueError(f"{' and '.join(weights)} both weight the loss by the trainer/rollout ratio; "
+                             f"keep one (seq_correction: rs or mismatch_mask_band only mask, and combine "
+                             f"with any)")
         return self
 
     @property

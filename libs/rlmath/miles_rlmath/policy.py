@@ -12,13 +12,8 @@ import torch
 
 from .kl import kl_estimate
 from .masked import aggregate, masked_mean
-from .ratio import (
-    mismatch_keep,
-    ppo_clip_loss,
-    sampled_entropy,
-    sequence_log_ratio,
-    tis_weights,
-)
+from .mismatch import any_correction, apply_corrections
+from .ratio import ppo_clip_loss, sampled_entropy, sequence_log_ratio
 
 if TYPE_CHECKING:  # pragma: no cover
     from miles import Batch
@@ -33,8 +28,9 @@ def policy_loss(batch: Batch, logprobs: torch.Tensor, cfg: Any, sequence_level: 
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This micro-batch's share of the policy loss, and its metrics.
 
-    PPO-clip on the token ratio (or on GSPO's sequence ratio when ``sequence_level``), then per
-    token: TIS weight, mismatch mask; aggregated with ``cfg.loss_agg``; minus the entropy bonus;
+    PPO-clip on the token ratio (or on GSPO's sequence ratio when ``sequence_level``), then the
+    mismatch corrections (TIS, mask, IcePop, sequence MIS/RS: ``mismatch.py``); aggregated with
+    ``cfg.loss_agg``; minus the entropy bonus;
     plus the KL loss term. Without ``batch.old_logprobs`` this is the single on-policy update
     (ratio 1, so the gradient is the plain policy gradient).
     """
@@ -76,24 +72,14 @@ def policy_loss(batch: Batch, logprobs: torch.Tensor, cfg: Any, sequence_level: 
 
 def _mismatch_corrections(batch: Batch, per_token: torch.Tensor, old: torch.Tensor, cfg: Any,
                           metrics: dict[str, float]) -> torch.Tensor:
-    """Apply TIS weights and the mismatch mask (both against the rollout engine's log-probs)."""
-    if cfg.tis_cap is None and cfg.mismatch_mask_band is None:
+    """Apply the rollout/trainer mismatch corrections (``mismatch.py``) that ``cfg`` turns on."""
+    if not any_correction(cfg):
         return per_token
     if not has_rollout_logprobs(batch):
-        raise ValueError("tis_cap / mismatch_mask_band compare the trainer's log-probs with the "
-                         "rollout engine's, but these samples carry no log-probs; unset them or "
-                         "make the rollout return Sample.logprobs")
-    mask = batch.loss_mask
-    if cfg.tis_cap is not None:
-        w = tis_weights(old, batch.rollout_logprobs, cfg.tis_cap)
-        per_token = per_token * w
-        metrics["tis_weight_mean"] = masked_mean(w, mask)
-        metrics["tis_clipfrac"] = masked_mean((w >= cfg.tis_cap).float(), mask)
-    if cfg.mismatch_mask_band is not None:
-        keep = mismatch_keep(old, batch.rollout_logprobs, *cfg.mismatch_mask_band)
-        per_token = per_token * keep
-        metrics["mismatch_masked_frac"] = masked_mean(1.0 - keep, mask)
-    return per_token
+        raise ValueError("tis_cap / mismatch_mask_band / icepop / seq_correction compare the trainer's "
+                         "log-probs with the rollout engine's, but these samples carry no log-probs; unset "
+                         "them or make the rollout return Sample.logprobs")
+    return apply_corrections(batch, per_token, old, cfg, metrics)
 
 
 def reward_kl(batch: Batch, cfg: Any) -> torch.Tensor:
