@@ -1,8 +1,38 @@
 """Config of the ``torch`` engine. Kept free of torch imports so registration stays cheap."""
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import pydantic
 from pydantic import Field, field_validator, model_validator
+
+
+class SpeculativeConfig(pydantic.BaseModel, extra="forbid"):
+    """``engine.speculative``: draft ``tokens`` per step, verified by the target in one forward
+    with rejection sampling (the samples keep exactly the target's distribution)."""
+
+    draft: Literal["head", "model", "mtp"] = Field(
+        description='"head": an EAGLE-style one-layer head on the target\'s hidden states (trained by the '
+        'trainer with a top-level draft: section, or read from path); "model": a small model folder with the '
+        'same tokenizer (model_path); "mtp": the model\'s own multi-token-prediction layers')
+    tokens: int = Field(3, ge=1, le=16, description="draft tokens proposed per step (k)")
+    path: Optional[str] = Field(None, description="draft head: a draft_head.safetensors (or the folder "
+                                "holding one, e.g. an exported model) to start from")
+    model_path: Optional[str] = Field(None, description="draft model: its Hugging Face folder")
+    max_batch: Union[int, Literal["auto"]] = Field(
+        "auto", description="a generate call of more rows (prompts x n) than this decodes without "
+        "speculation, where the verify forward costs more than the steps it saves; auto: 256 on CPU, "
+        "32 on CUDA")
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.draft == "model" and not self.model_path:
+            raise ValueError("draft model needs engine.speculative.model_path (a model folder with the same "
+                             "tokenizer)")
+        if self.draft == "mtp":
+            raise ValueError("draft mtp: the built-in engine runs models through transformers, whose DeepSeek-V3, "
+                             "GLM-4.5 and Qwen3-Next classes drop the MTP layers; use draft: head")
+        if isinstance(self.max_batch, int) and self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1 or auto")
+        return self
 
 
 class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
@@ -43,6 +73,9 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
         "auto: oneDNN on AMD CPUs where torch has it for decoder layers of >= 512k weights, else MKL")
     prefill_tokens: int = Field(
         16384, ge=1, description="fast path: max (padded) prompt tokens prefilled in one forward")
+    speculative: Optional[SpeculativeConfig] = Field(
+        None, description="speculative decoding (fast path): {draft: head | model | mtp, tokens: k, path, "
+        "model_path, max_batch}")
 
     @field_validator("device")
     @classmethod

@@ -1,0 +1,21 @@
+"""The top-level ``draft`` section: online training of the speculative-decoding draft head."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DraftConfig(BaseModel):
+    """``draft:``. The head always learns during supervised steps (the warm start); ``train``
+    says whether every RL step trains it too (online) or leaves it as it was (frozen)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    train: bool = Field(True, description="train the head on every RL step's rollouts toward the current "
+                        "policy's next-token distribution (online); false: it keeps what the warm start taught it "
+                        "(frozen)")
+    lr: float = Field(1e-3, gt=0, description="the head's own AdamW learning rate (constant)")
+    loss_weight: float = Field(1.0, gt=0, description="weight of the head's loss (it never reaches the policy's "
+                               "gradients: the policy's hidden states are detached)")
+    unroll: int = Field(2, ge=1, le=8, description="drafting steps unrolled in training: step s feeds the head "
+                        "its own feature from step s-1, as drafting k > 1 tokens does")
+    grad_clip: float | None = Field(1.0, gt=0, description="the head's own gradient-norm clip (null: none)")

@@ -1,0 +1,75 @@
+"""The EAGLE-style draft head: one layer on the target model's own hidden states.
+
+Input at position ``j``: the target's final (normed) hidden state ``h_j`` and the embedding of
+the token at ``j + 1``; output: a feature in the same space, whose logits through the target's
+own LM head are the draft distribution of the token at ``j + 2``. Drafting ``k`` tokens chains
+the head on its own output features (EAGLE's feature-level autoregression), so one target
+forward per step is all the context the head needs: it has no attention and no cache of its own.
+The head reuses the target's embedding and LM head (no weights of its own there), so it is small:
+one ``2d -> d`` projection and a gated MLP of the target's intermediate width.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import PREFIX
+
+NAME = PREFIX.rstrip(".")  # the submodule's name on the target model
+
+
+class DraftHead(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, eps: float = 1e-6):
+        super().__init__()
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden, eps=eps)
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+        with torch.no_grad():  # start as "the target's next-token guess": fc passes the feature through
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden].copy_(torch.eye(hidden))
+            self.down.weight.mul_(0.1)
+
+    def forward(self, feature: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """``[..., d]`` feature and token embedding -> ``[..., d]`` normed output feature."""
+        x = self.fc(torch.cat([feature, embedding], dim=-1))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return self.norm(x + self.down(F.silu(gate) * up))
+
+
+def head_of(model: nn.Module) -> DraftHead | None:
+    head = getattr(model, NAME, None)
+    return head if isinstance(head, DraftHead) else None
+
+
+def attach(model: nn.Module) -> DraftHead:
+    """The model's draft head, made (and registered as its ``draft_head`` submodule, on the
+    model's device and dtype) if it has none: its weights then travel in the model's state dict,
+    so checkpoints and weight syncs carry them under ``draft_head.``."""
+    head = head_of(model)
+    if head is not None:
+        return head
+    cfg = model.config
+    ref = model.get_output_embeddings().weight
+    head = DraftHead(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "rms_norm_eps", 1e-6))
+    head = head.to(device=ref.device, dtype=ref.dtype)
+    model.add_module(NAME, head)
+    return head
+
+
+def head_logits(model: nn.Module, feature: torch.Tensor) -> torch.Tensor:
+    """Logits of a head output feature through the target's LM head."""
+    return F.linear(feature, _full(model.get_output_embeddings().weight))
+
+
+def embed(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, _full(model.get_input_embeddings().weight))
+
+
+def _full(w: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 DTensor) weight gathered whole; a plain one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return w.full_tensor() if isinstance(w, DTensor) else w

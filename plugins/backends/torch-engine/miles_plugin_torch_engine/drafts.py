@@ -1,0 +1,115 @@
+"""Drafts for speculative decoding: what proposes the ``k`` tokens a step verifies.
+
+Both keep per-row state in cache-row order (the scheduler's rows; ``move`` follows its packing):
+the head, the target's hidden state before the row's last token (its drafting input); the draft
+model, its own KV cache and the token before the last one. After a step emitting ``n`` tokens a
+row's last token sits at ``pos + n``; the draft model's cache then holds every position up to
+``pos + n - 2`` at least, so its next proposal feeds that token and the last one as a block
+(rewriting a position it may already hold, with the same token and keys).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from miles import ConfigError
+from miles_draft.head import attach, embed, head_logits
+
+from .fast import LlamaFamilyForward, unsupported_reason
+from .speculative import draw, forward_block, lm_logits, sampling_probs
+
+
+class HeadDrafter:
+    """The EAGLE-style head attached to the engine's model (``draft_head.``), so weight syncs
+    update it with the policy's weights."""
+
+    def __init__(self, model: torch.nn.Module, path: str | None):
+        self.model, self.head = model, attach(model)
+        if path:
+            from miles_draft.files import load_head
+
+            load_head(self.head, path)
+        self.feat: torch.Tensor | None = None
+
+    def allocate(self, fwd: LlamaFamilyForward) -> None:
+        if self.feat is None or self.feat.shape[0] != fwd.slots:
+            self.feat = torch.zeros((fwd.slots, self.model.config.hidden_size), dtype=fwd.dtype, device=fwd.device)
+
+    def join(self, rows, features, prev, ids, lengths, repeats) -> None:
+        self.feat[rows] = features
+
+    def move(self, dst: torch.Tensor, src: torch.Tensor, need: int) -> None:
+        self.feat[dst] = self.feat[src]
+
+    def commit(self, live: int, features: torch.Tensor, prev: torch.Tensor) -> None:
+        self.feat[:live] = features
+
+    def propose(self, live: int, last: torch.Tensor, pos: torch.Tensor, k: int, params: Any,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k`` drafts per row ``[live, k]`` and the distributions they were drawn from ``[live, k, V]``."""
+        feature, tok, drafts, qs = self.feat[:live], last, [], []
+        for _ in range(k):
+            feature = self.head(feature, embed(self.model, tok))
+            q = sampling_probs(head_logits(self.model, feature), params)
+            tok = draw(q, gen)
+            drafts.append(tok)
+            qs.append(q)
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+
+class ModelDrafter:
+    """A small Llama-family model with the target's vocabulary, on the fast path's forward."""
+
+    def __init__(self, path: str, target: torch.nn.Module):
+        from transformers import AutoModelForCausalLM
+
+        ref = target.lm_head.weight
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=ref.dtype)
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"engine.speculative.model_path: {path} is not a loadable model folder ({e})"]) from None
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ConfigError([f"engine.speculative.model_path: {path} cannot run on the fast path: {reason}"])
+        if model.lm_head.weight.shape[0] != ref.shape[0]:
+            raise ConfigError([f"engine.speculative.model_path: {path} has a vocabulary of "
+                               f"{model.lm_head.weight.shape[0]} tokens, the model {ref.shape[0]}; a draft "
+                               f"model needs the same tokenizer"])
+        self.fwd = LlamaFamilyForward(model.to(ref.device).eval())
+        self.prev: torch.Tensor | None = None
+
+    def allocate(self, fwd: LlamaFamilyForward) -> None:
+        self.fwd.allocate(fwd.slots, fwd.max_len)
+        self.fwd.refresh()
+        if self.prev is None or self.prev.shape[0] != fwd.slots:
+            self.prev = torch.zeros(fwd.slots, dtype=torch.long, device=fwd.device)
+
+    def join(self, rows, features, prev, ids, lengths, repeats) -> None:
+        self.fwd.prefill(ids, lengths, rows, repeats)
+        self.prev[rows] = prev
+
+    def move(self, dst: torch.Tensor, src: torch.Tensor, need: int) -> None:
+        self.fwd.move_rows(dst, src, need)
+        self.prev[dst] = self.prev[src]
+
+    def commit(self, live: int, features: torch.Tensor, prev: torch.Tensor) -> None:
+        self.prev[:live] = prev
+
+    def propose(self, live: int, last: torch.Tensor, pos: torch.Tensor, k: int, params: Any,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = forward_block(self.fwd, torch.stack([self.prev[:live], last], 1), pos - 1)[:, -1]
+        drafts, qs = [], []
+        for i in range(k):
+            q = sampling_probs(lm_logits(self.fwd, hidden), params)
+            tok = draw(q, gen)
+            drafts.append(tok)
+            qs.append(q)
+            if i + 1 < k:
+                hidden = forward_block(self.fwd, tok[:, None], pos + i + 1)[:, 0]
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+
+def make_drafter(spec: Any, model: torch.nn.Module, cfg: Any) -> HeadDrafter | ModelDrafter:
+    if spec.draft == "head":
+        return HeadDrafter(model, spec.path)
+    return ModelDrafter(spec.model_path, model)

@@ -1,0 +1,183 @@
+"""Speculative decoding (engine.speculative): exact target sampling, the target's log-probs,
+continuous batching, drafts that follow weight syncs, and config errors."""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from miles import ConfigError, SamplingParams
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from miles_plugin_torch_engine.config import TorchEngineConfig
+from miles_plugin_torch_engine.engine import TorchEngine, _filter
+
+VOCAB, STEPS, PROMPT = 6, 3, [1, 2, 3]
+
+
+class _Spec:
+    def __init__(self, model):
+        self.model = model
+
+    def build_model(self, tokenizer):
+        return copy.deepcopy(self.model)
+
+
+class _Tok:
+    eos_token_id, pad_token_id = None, 0
+
+
+def _model(seed: int, vocab: int = VOCAB, hidden: int = 32) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper distributions than the default init: rejections matter
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def _engine(model, speculative=None, **kw) -> TorchEngine:
+    cfg = TorchEngineConfig.model_validate({**kw, **({"speculative": speculative} if speculative else {})})
+    return TorchEngine(cfg, spec=_Spec(model), tokenizer=_Tok(), seed=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny GEMMs: one intra-op thread is faster and leaves the other core to the next test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _model(0)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A different small model with the same vocabulary: partial acceptance."""
+    path = tmp_path_factory.mktemp("draft")
+    _model(7, hidden=16).save_pretrained(path)
+    return str(path)
+
+
+DRAFTS = {"head": lambda d: {"draft": "head", "tokens": 2, "max_batch": 1 << 20},
+          "model": lambda d: {"draft": "model", "model_path": d, "tokens": 3, "max_batch": 1 << 20}}
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+def test_greedy_tokens_are_the_targets_and_logprobs_too(target, draft_dir, draft):
+    prompts = [[1, 2, 3], [4, 5], [3, 1, 4, 1, 5], [2], [0, 4], [3, 3, 3]]
+    params = SamplingParams(0.0, 1.0, 0, 9, [5])  # rows stop at different steps
+    plain = _engine(target).generate(prompts, params, n=2)
+    # 4 cache rows for 8 samples: groups join as rows free up (continuous batching)
+    spec_engine = _engine(target, DRAFTS[draft](draft_dir), max_batch_size=4)
+    spec = spec_engine.generate(prompts, params, n=2)
+    for a, b in zip(itertools.chain(*plain), itertools.chain(*spec)):
+        assert a.token_ids == b.token_ids
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert b.finish_reason == a.finish_reason
+    m = spec_engine.step_metrics()
+    assert 1.0 <= m["spec_accept_len"] <= 1 + DRAFTS[draft](draft_dir)["tokens"]
+    assert spec_engine._spec.stats["joined_mid_decode"] > 0
+    assert spec_engine.step_metrics() == {}  # drained
+
+
+def _exact(model, params: SamplingParams) -> dict[tuple, float]:
+    """Probability of every STEPS-token continuation of PROMPT under plain sampling's distribution."""
+    seqs = list(itertools.product(range(VOCAB), repeat=STEPS))
+    ids = torch.tensor([PROMPT + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(PROMPT) - 1:-1].float()
+    logp = torch.log_softmax(logits / params.temperature, -1)
+    logp = torch.log_softmax(_filter(logp.reshape(-1, VOCAB), params.top_k, params.top_p), -1).view_as(logp)
+    tok = ids[:, len(PROMPT):]
+    p = logp.gather(-1, tok[..., None]).squeeze(-1).sum(-1).exp()
+    return dict(zip(seqs, p.tolist()))
+
+
+def _empirical(comps, keys) -> np.ndarray:
+    counts = dict.fromkeys(keys, 0)
+    for c in comps:
+        counts[tuple(c.token_ids)] += 1
+    return np.array([counts[k] for k in keys], dtype=float) / len(comps)
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_samples_have_exactly_the_targets_distribution(target, draft_dir, draft, temperature, top_k, top_p):
+    """Total-variation distance between speculative and plain samples of all 216 continuations
+    stays within what two independent samples of the exact distribution show (99.9th percentile
+    of 300 simulated pairs), while the draft's own distribution is far from it."""
+    N = 6000
+    params = SamplingParams(temperature, top_p, top_k, STEPS, [], seed=3)
+    exact = _exact(target, params)
+    keys, p = list(exact), np.array(list(exact.values()))
+    spec_engine = _engine(target, DRAFTS[draft](draft_dir))
+    spec = _empirical(spec_engine.generate([PROMPT], params, n=N)[0], keys)
+    plain = _empirical(_engine(target).generate([PROMPT], params, n=N)[0], keys)
+    rng = np.random.default_rng(0)
+    noise = [0.5 * np.abs(rng.multinomial(N, p / p.sum()) - rng.multinomial(N, p / p.sum())).sum() / N
+             for _ in range(300)]
+    bound = float(np.quantile(noise, 0.999))
+    assert 0.5 * np.abs(spec - plain).sum() < bound
+    assert 0.5 * np.abs(spec - p).sum() < bound
+    m = spec_engine.step_metrics()
+    assert 0.0 < m["spec_accept_rate"] < 1.0  # drafts were both accepted and rejected
+
+
+def test_a_biased_verifier_fails_the_same_check(target, monkeypatch):
+    """The check above has power: accepting every draft (sampling the draft's distribution)
+    lands far outside the bound."""
+    from miles_plugin_torch_engine import speculative
+
+    verify = speculative.verify
+
+    def accept_all(p, q, drafts, gen):
+        out, _ = verify(p, q, drafts, gen)
+        out[:, :-1] = drafts
+        return out, torch.full((drafts.shape[0],), drafts.shape[1], device=drafts.device)
+
+    N, params = 6000, SamplingParams(1.0, 1.0, 0, STEPS, [], seed=3)
+    exact = _exact(target, params)
+    keys, p = list(exact), np.array(list(exact.values()))
+    monkeypatch.setattr(speculative, "verify", accept_all)
+    biased = _empirical(_engine(target, DRAFTS["head"](None)).generate([PROMPT], params, n=N)[0], keys)
+    assert 0.5 * np.abs(biased - p).sum() > 0.2
+
+
+@pytest.mark.parametrize("speculative,match", [
+    ({"draft": "mtp"}, "MTP layers"),
+    ({"draft": "model"}, "model_path"),
+    ({"draft": "head", "tokens": 0}, "tokens"),
+    ({"draft": "head", "max_batch": 0}, "max_batch"),
+])
+def test_config_errors_name_the_key(speculative, match):
+    from miles.config import validate_settings
+
+    problems: list[str] = []
+    validate_settings(TorchEngineConfig, "engine", {"speculative": speculative}, problems)
+    assert problems and match in " ".join(problems) and problems[0].startswith("engine.speculative")
+
+
+def test_the_models_own_forward_refuses_speculation(target):
+    with pytest.raises(ConfigError, match="fast path"):
+        _engine(target, {"draft": "head"}, impl="hf")
+
+
+def test_above_max_batch_the_plain_path_runs_and_weights_reach_the_head(target):
+    engine = _engine(target, {"draft": "head", "tokens": 2, "max_batch": 4})
+    params = SamplingParams(0.0, 1.0, 0, 5, [])
+    engine.generate([[1, 2]], params, n=5)  # 5 rows > 4
+    assert engine.step_metrics() == {}
+    engine.generate([[1, 2]], params, n=4)
+    assert "spec_accept_len" in engine.step_metrics()
+    head = engine._spec.drafter.head
+    new = torch.full_like(head.fc.weight, 0.5)
+    engine.load_weights([("draft_head.fc.weight", new)], version=3)
+    assert torch.equal(head.fc.weight, new)
