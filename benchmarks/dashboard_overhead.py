@@ -1,5 +1,6 @@
 """What recording for ``miles dashboard`` costs a run whose dashboard is closed: the quickstart's RL
-steps (``recipes/quickstart.yaml``, warm start left out) with ``run.telemetry`` on and off.
+steps (``recipes/quickstart.yaml``; the warm start left out, so every group is trained on rather
+than dropped for zero reward variance) with ``run.telemetry`` on and off.
 
 Two figures: the recorder's own time (the step metric ``telemetry_seconds``: spans, sample picks,
 training log-prob copies, the timeline and sample lines, device readings on their thread) over the
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(out: Path, steps: int, telemetry: bool) -> list[dict]:
     cmd = [sys.executable, "-m", "miles.cli", "train", str(ROOT / "recipes/quickstart.yaml"), "run.warm_start=null",
+           "algorithm.filter_zero_variance=false",  # without the warm start every group would be dropped: train them
            f"run.steps={steps}", f"run.out_dir={out}", "run.eval_every=100000", "run.checkpoint_every=100000",
            f"run.telemetry.enabled={'true' if telemetry else 'false'}", "loggers=[]"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
