@@ -60,9 +60,8 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await _send_json(send, 413, too_big, close=True)
         try:
-            async with asyncio.timeout(self.body_timeout_s):
-                body = await self._read_body(receive)
-        except TimeoutError:
+            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
+        except asyncio.TimeoutError:
             return await _send_json(send, 408, {"error": {"message": (
                 f"request body not received within {self.body_timeout_s:g} s (the server's "
                 f"body_timeout_s setting)")}}, close=True)

@@ -8,7 +8,7 @@ in Jinja's immutable sandbox as Hugging Face renders chat templates, under an ad
 limit; it is killed when it runs past its time budget, and its output is cut at a size budget.
 The model's own template (from its folder) is trusted and renders in the server.
 
-This file is also the child's program: ``python -P templates.py MEMORY_MB`` reads one JSON
+This file is also the child's program: run with ``MEMORY_MB`` as its argument, it reads one JSON
 request per line on stdin and answers one JSON line on stdout.
 """
 from __future__ import annotations
@@ -71,8 +71,10 @@ class TemplateRenderer:
 
     def _child(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            # -P: the package folder stays off sys.path, so none of its modules shadows a library
-            self._proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), str(self.memory_mb)],
+            # run as code, not as a script: neither the package folder nor the working directory
+            # goes on sys.path, so no module there shadows a library the child imports
+            boot = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
+            self._proc = subprocess.Popen([sys.executable, "-c", boot, os.path.abspath(__file__), str(self.memory_mb)],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, bufsize=0)
         return self._proc
@@ -159,4 +161,4 @@ def _child_main(memory_mb: int) -> None:
 
 
 if __name__ == "__main__":
-    _child_main(int(sys.argv[1]))
+    _child_main(int(sys.argv[-1]))
