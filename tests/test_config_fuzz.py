@@ -41,6 +41,7 @@ class Case:
     argv_extra: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     section: str = ""  # top-level section a combinable case touches
+    out_dir: Path | None = None  # a run folder of its own (a filesystem state) instead of the shared one
 
 
 def _flat(value: Any) -> str:
@@ -72,10 +73,10 @@ def bad_values(info: Any, rng: random.Random, schema: Any = None) -> list[Any]:
         getattr(m, "allow_inf_nan", None) is False for m in getattr(info, "metadata", []))
     if ann is bool:
         out = ["maybe", 7, [True]]
-    elif ann is int:
-        out = ["many", 2.5, [1], {"a": 1}]
+    elif ann is int:  # strict types: a bool or a numeric string is no count
+        out = ["many", 2.5, [1], {"a": 1}, rng.choice([True, False]), str(rng.randint(1, 9))]
     elif ann is float:
-        out = ["fast", [0.5], {"a": 1}]
+        out = ["fast", [0.5], {"a": 1}, rng.choice([True, False])]
     elif ann is str:
         out = [[1, 2], {"a": 1}, 12]
     elif origin is typing.Literal:
@@ -218,6 +219,93 @@ def fixed_cases(rng: random.Random, tmp: Path) -> list[Case]:
     return cases
 
 
+def _nested(rng: random.Random) -> str:
+    if rng.random() < 0.5:  # flow style, up to the 5,000 levels that once overflowed the stack
+        depth = rng.choice([65, 100, rng.randint(66, 5000)])
+        return "[" * depth + "]" * depth
+    return "\n" + "".join(f"{'  ' * (i + 2)}-\n" for i in range(rng.randint(65, 200)))  # block style
+
+
+def _bomb(rng: random.Random) -> str:
+    """A small document whose aliases expand past the loader's cap (width ** depth values)."""
+    width, depth = rng.choice([(9, 8), (10, 7), (4, 12), (32, 5)])
+    lines = ["a0: &a0 [" + ", ".join(["lol"] * width) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, depth)]
+    return "\n".join(lines) + "\n"
+
+
+PLUGIN_FAULTS = {  # launch-time plugin bodies, each with a phrase its error must contain
+    "exit at import": ("import sys\nsys.exit({n})\n", "SystemExit"),
+    "raise at import": ("raise {exc}('plugin broke on import')\n", "failed to import"),
+    "junk factory": ("@hookimpl\ndef miles_register_{kind}(register):\n    register('junk', {junk})\n",
+                     "not callable"),
+    "validate says a string": ("@hookimpl\ndef miles_validate_config(config):\n    return 'trainer.lr: x{n}'\n",
+                               "trainer.lr: x"),
+    "validate says junk": ("@hookimpl\ndef miles_validate_config(config):\n    return {junk}\n",
+                           "miles_validate_config of plugin"),
+    "validate raises": ("@hookimpl\ndef miles_validate_config(config):\n    raise {exc}('no')\n",
+                        "failed in miles_validate_config"),
+    "hook without hookimpl": ("def miles_reward(sample):\n    return 1.0\n", "without @hookimpl"),
+}
+
+
+def hardening_cases(rng: random.Random, tmp: Path) -> list[Case]:
+    """Input classes that once gave tracebacks, silently wrong runs or stray files: YAML structure
+    and size, overrides under a scalar, misbehaving plugins, and run folders in odd states."""
+    base_text = (ROOT / "tests" / "tiny.yaml").read_text()
+    cases = []
+    for _ in range(6):
+        section = rng.choice(["run", "rollout", "env", "trainer", "model"])
+        cases.append(Case("duplicate key", [], [], names=[f"duplicate key '{section}'"],
+                          config_text=base_text + f"{section}: {{}}\n"))
+        inner = rng.choice(["steps", "seed"])
+        cases.append(Case("duplicate key", [], [], names=[f"duplicate key '{inner}'"],
+                          config_text=f"run:\n  {inner}: 1\n  out_dir: x\n  {inner}: 2\n"))
+        cases.append(Case("deep yaml", [], [], names=["nested more than"], config_text=f"run:\n  x: {_nested(rng)}\n"))
+        cases.append(Case("alias bomb", [], [], names=["through its aliases"], config_text=_bomb(rng)))
+        cases.append(Case("deep override", [f"run.x={'[' * 80}{']' * 80}"], [], names=["nested more than"]))
+        section = rng.choice(["run", "rollout", "env", "trainer", "model", "engine"])
+        cases.append(Case("override under a scalar", [f"{section}={rng.randint(0, 9)}", f"{section}.{_word(rng)}=1"],
+                          [], names=["not a mapping"]))
+        cases.append(Case("impossible size", [f"rollout.n={rng.randint(10**8, 10**10)}"], [], names=["GiB of memory"]))
+        cases.append(Case("seed overflow", [f"run.seed={rng.choice([2**32, 2**64, 10**30])}"], ["run.seed"],
+                          section="run"))
+    cases.append(Case("huge config", [], [], names=["MiB"], config_text="# pad\n" * (3 << 20)))
+    for kind, (body, said) in PLUGIN_FAULTS.items():
+        for j in range(3):
+            path = tmp / f"fault_{kind.replace(' ', '_')}_{j}.py"
+            junk = rng.choice(["5", "[1, 2]", "{'a': 1}"] + (["'text'"] if kind == "junk factory" else []))
+            path.write_text("from miles import hookimpl\n" + body.format(
+                n=rng.randint(0, 9), exc=rng.choice(["RuntimeError", "KeyError", "ValueError"]),
+                kind=rng.choice(["loggers", "envs", "engines"]), junk=junk))
+            extra = ["run.steps=true"] if kind == "hook without hookimpl" else []  # refused after the warning
+            cases.append(Case(f"plugin: {kind}", extra, [], names=[said], argv_extra=["--plugin", str(path)]))
+    for device in ("/dev/zero", "/dev/null"):
+        cases.append(Case("device as config", [], [], names=["not a regular file"], config_text=f"<{device}>"))
+        cases.append(Case("device as plugin", [], [], names=["not a regular file"], argv_extra=["--plugin", device]))
+    fs = tmp / "fs"
+    fs.mkdir()
+    (fs / "file").write_text("x")
+    (fs / "ckpt").mkdir()
+    (fs / "ckpt" / "checkpoints").write_text("")
+    (fs / "other").mkdir()
+    (fs / "other" / "notes.txt").write_text("mine")
+    (fs / "loop").symlink_to(fs / "loop2")
+    (fs / "loop2").symlink_to(fs / "loop")
+    for out, said in ((fs / "file", "is a file"), (fs / "ckpt", "checkpoints is a file"),
+                      (fs / "other", "holds no miles run"), (fs / "loop", "symlink"),
+                      (Path("/proc") / _word(rng), "not writable"), (Path("/sys/kernel") / _word(rng), "not writable")):
+        cases.append(Case("run folder state", [], [], names=[said], out_dir=out))
+    for change, listed in (("env.digits=2", "env.digits"), ("algorithm.name=gspo", "algorithm.name"),
+                           ("model.config.model_type=llama", "model.config.model_type"),
+                           ("trainer.name=megatron", "trainer")):
+        cases.append(Case("resume that changes the checkpoint", [change, "run.warm_start=null"], [],
+                          names=[listed] + (["trained under other settings"] if "megatron" not in change else [])))
+    cases.append(Case("fewer steps than trained", ["run.steps=1", "run.warm_start=null"], [],
+                      names=["already trained 2 steps"]))
+    return cases
+
+
 def combine(rng: random.Random, pool: list[Case]) -> Case:
     """2-4 problems in distinct sections at once: every one is reported, each once."""
     picked, used = [], set()
@@ -254,10 +342,12 @@ def run_case(case: Case, run: Path, tmp: Path, capfd, monkeypatch) -> tuple[Any,
         config = str(tmp / "no-config.yaml")
     elif case.config_text == "<folder>":
         config = str(tmp)
+    elif case.config_text in ("</dev/zero>", "</dev/null>"):
+        config = case.config_text[1:-1]
     elif case.config_text is not None:
         config = str(tmp / "cfg.yaml")
         Path(config).write_bytes(case.config_text.encode("utf-8", "surrogateescape"))
-    argv = ["train", config, *case.argv_extra, f"run.out_dir={run}", *case.overrides]
+    argv = ["train", config, *case.argv_extra, f"run.out_dir={case.out_dir or run}", *case.overrides]
     for k, v in case.env.items():
         monkeypatch.setenv(k, v)
     try:
@@ -276,23 +366,34 @@ def run_case(case: Case, run: Path, tmp: Path, capfd, monkeypatch) -> tuple[Any,
 def test_config_fuzz(run_folder: Path, tmp_path: Path, capfd, monkeypatch) -> None:
     monkeypatch.setattr(miles.plugins, "_entry_points", _cached_entry_points)  # one scan, not 500
     monkeypatch.delenv("MILES_PLUGINS", raising=False)
+    cwd = tmp_path / "cwd"  # where a stray relative run folder (./runs/default) would appear
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     rng = random.Random(SEED)
     pm = make_plugin_manager()
     singles = fixed_cases(rng, tmp_path)
     for section, name, schema, base in sections(pm):
         singles += field_cases(section, name, schema, base, rng)
-    cases = singles + [combine(rng, singles) for _ in range(CASES // 4)]  # a quarter combined
+    hardening = hardening_cases(rng, tmp_path)  # every one runs; the rest are sampled
+    rest = singles + [combine(rng, singles) for _ in range(CASES // 4)]  # a quarter combined
+    rng.shuffle(rest)
+    cases = hardening + rest[:max(CASES - len(hardening), 0)]
     rng.shuffle(cases)
-    cases = cases[:CASES]
-    before, failures = snapshot(run_folder), []
+    before, failures, clean = snapshot(run_folder), [], 0
     for i, case in enumerate(cases):
+        own = snapshot(case.out_dir) if case.out_dir is not None and case.out_dir.is_dir() else None
         code, text = run_case(case, run_folder, tmp_path, capfd, monkeypatch)
-        problem = check(case, code, text)
-        if problem is None and snapshot(run_folder) != before:
-            problem = "the run folder changed"
+        stray = snapshot(run_folder) != before or any(cwd.iterdir()) or (
+            case.out_dir is not None and own != (snapshot(case.out_dir) if case.out_dir.is_dir() else None))
+        clean += code in (0, 1, 2) and "Traceback" not in text and not stray
+        problem = check(case, code, text) or ("a file was left behind or changed" if stray else None)
         if problem:
-            failures.append(f"case {i} ({case.kind}) {case.overrides or case.config_text!r}: {problem}\n"
-                            f"{text[-1500:]}")
+            failures.append(f"case {i} ({case.kind}) {case.overrides or case.argv_extra or case.config_text!r:.300}: "
+                            f"{problem}\n{text[-1500:]}")
+    with capfd.disabled():
+        print(f"\nconfig fuzz (seed {SEED}): {len(cases)} cases, {len(hardening)} of them the hardening "
+              f"classes; {clean} clean ({100 * clean / len(cases):.1f}%: exit 0/1/2, no traceback, no "
+              f"stray files); {len(cases) - len(failures)} with the exact expected message")
     assert len(cases) >= 500
     assert not failures, f"seed {SEED} (MILES_FUZZ_SEED): {len(failures)} of {len(cases)} cases failed; " \
                          f"the first ones:\n" + "\n".join(failures[:int(os.environ.get("MILES_FUZZ_SHOW", "8"))])

@@ -62,7 +62,9 @@ def check_resume(out_dir: str, resolved: dict[str, Any], steps: int) -> tuple[st
                    if before[k] != after[k] and not _under(k, SAFE)]
         changed += [(k, before[k], "(removed)") for k in sorted(before.keys() - after.keys())
                     if _under(k, MEANING)]
-        changed += [(k, "(absent)", after[k]) for k in sorted(after.keys() - before.keys()) if _under(k, MEANING)]
+        # a key the old file lacks may be a default a later miles added: only a new component name counts
+        changed += [(k, "(absent)", after[k]) for k in sorted(after.keys() - before.keys())
+                    if _under(k, MEANING) and k.endswith(".name")]
     refused = [c for c in changed if _under(c[0], MEANING)]
     if refused:
         lines = "\n".join(f"  - {k}: {a!r:.80} -> {b!r:.80}" for k, a, b in refused)
