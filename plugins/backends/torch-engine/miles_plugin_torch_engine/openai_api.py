@@ -439,7 +439,8 @@ def _json(raw: bytes) -> dict:
 
 
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # a 503 (busy, or aborted by a pause) is worth retrying: clients such as openai's back off on it
+    return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
 
 
 def _sse(chunks) -> StreamingResponse:
