@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -51,10 +52,12 @@ class GymServers:
     """``ng_run`` in its own process session; ``agent_url`` once ``start`` returns."""
 
     def __init__(self, policy_url: str, agent_port: int, head_port: int, work_dir: Path,
-                 api_key: str = "none", model_name: str | None = None, resources_port: int | None = None):
+                 api_key: str = "none", model_name: str | None = None, resources_port: int | None = None,
+                 wait_policy_s: float = 0.0):
         self.policy_url, self.agent_port, self.head_port = policy_url, agent_port, head_port
         self.resources_port = resources_port  # None: ng_run picks one
         self.work_dir, self.api_key, self.model_name = Path(work_dir), api_key, model_name
+        self.wait_policy_s = wait_policy_s  # how long start() waits for miles serve to accept connections
         self.agent_url = f"http://127.0.0.1:{agent_port}"
         self.log = self.work_dir / "ng_run.log"
         self.proc: subprocess.Popen | None = None
@@ -84,7 +87,7 @@ class GymServers:
 
     def start(self, timeout_s: float = 300) -> str:
         if self.model_name is None:  # a wrong --policy-url fails here, before minutes of venv building
-            self.model_name = served_model(self.policy_url, self.api_key)
+            self.model_name = served_model(self.policy_url, self.api_key, self.wait_policy_s)
         venv = ensure_venv()
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # short and under /tmp: Ray's socket paths inside it must stay under the kernel's 107 bytes
@@ -142,8 +145,10 @@ def ray_pids(ray_dir: Path) -> list[int]:
     return sorted(marked)
 
 
-def served_model(policy_url: str, api_key: str) -> str:
-    """The model id ``miles serve`` answers to (its ``/v1/models``), so requests name it."""
+def served_model(policy_url: str, api_key: str, wait_s: float = 0.0) -> str:
+    """The model id ``miles serve`` answers to (its ``/v1/models``), so requests name it. A server
+    that refuses connections (not up yet: the README starts both together) is asked again every
+    second for up to ``wait_s`` seconds; any other answer is final."""
     import httpx
 
     try:
@@ -154,14 +159,25 @@ def served_model(policy_url: str, api_key: str) -> str:
     if not usable:
         raise MilesError(f"--policy-url {policy_url!r} is not an http(s) URL; pass miles serve's OpenAI base "
                          "URL, e.g. http://127.0.0.1:30000/v1")
-    try:
-        r = httpx.get(f"{policy_url.rstrip('/')}/models", headers={"Authorization": f"Bearer {api_key}"},
-                      timeout=10, trust_env=False)
-        r.raise_for_status()
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, IndexError, TypeError) as e:
-        raise MilesError(f"no model listed at {policy_url}/models ({e}); is miles serve running there? "
-                         "(--policy-url is its base URL ending in /v1)") from None
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            r = httpx.get(f"{policy_url.rstrip('/')}/models", headers={"Authorization": f"Bearer {api_key}"},
+                          timeout=10, trust_env=False)
+            r.raise_for_status()
+            return r.json()["data"][0]["id"]
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            if time.monotonic() >= deadline:
+                waited = f" after waiting {wait_s:g} s (--wait-policy)" if wait_s > 0 else ""
+                raise MilesError(f"no model listed at {policy_url}/models ({e}){waited}; is miles serve running "
+                                 "there? (--policy-url is its base URL ending in /v1)") from None
+            if not said:
+                print(f"waiting up to {wait_s:g} s for miles serve at {policy_url} ...", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(1.0)
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, IndexError, TypeError) as e:
+            raise MilesError(f"no model listed at {policy_url}/models ({e}); is miles serve running there? "
+                             "(--policy-url is its base URL ending in /v1)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,12 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-port", type=int, default=11000, help="NeMo Gym's head server")
     ap.add_argument("--work-dir", default="runs/nemo_gym_servers", help="logs and per-server venv links")
     ap.add_argument("--api-key", default=os.environ.get("MILES_API_KEY", "none"))
+    ap.add_argument("--wait-policy", type=float, default=120.0, metavar="SECONDS",
+                    help="how long to wait for miles serve to accept connections (started alongside)")
     args = ap.parse_args(argv)
     try:  # bad input is one line naming the flag (exit 2), as `miles` reports it, not a traceback
         distinct_ports({"--agent-port": args.agent_port, "--head-port": args.head_port})
         servers = GymServers(args.policy_url, free_port("--agent-port", args.agent_port),
                              free_port("--head-port", args.head_port), work_folder(args.work_dir),
-                             api_key=args.api_key)
+                             api_key=args.api_key, wait_policy_s=args.wait_policy)
         # Ctrl-C or `kill` (SIGTERM) stops ng_run, its servers and its Ray; ng_run exiting by
         # itself is an error (exit 1) naming its exit code and log
         serve_until_stopped(lambda: f"NeMo Gym agent at {servers.start()} (log {servers.log}); Ctrl-C stops it",

@@ -26,10 +26,48 @@ def test_a_policy_url_with_nothing_behind_it_fails_before_the_venv_is_built(tmp_
     # a venv build that would fail at once: the URL's error must come first
     env = {"NEMO_GYM_PYTHON": str(tmp_path / "no-python"), "NEMO_GYM_VENV": str(tmp_path / "venv")}
     url = f"http://127.0.0.1:{closed_port()}/v1"
-    p = run(LAUNCH, "--policy-url", url, "--work-dir", str(tmp_path / "w"), env=env)
+    p = run(LAUNCH, "--policy-url", url, "--work-dir", str(tmp_path / "w"), "--wait-policy", "0", env=env)
     assert_usage_error(p, PROG, f"no model listed at {url}/models", "is miles serve running there?",
                        "--policy-url")
     assert not (tmp_path / "venv").exists()
+
+
+def test_the_launcher_waits_for_a_policy_server_that_starts_later(tmp_path):
+    """The README starts miles serve and the launcher together: a server that comes up a few
+    seconds later is waited for (up to --wait-policy), one that never does is named after it."""
+    import http.server
+    import json
+    import threading
+    import time
+
+    from miles_plugin_nemo_gym.launch import served_model
+
+    port = closed_port()
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "late-policy"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    def serve_later():
+        time.sleep(2.0)
+        server = http.server.HTTPServer(("127.0.0.1", port), Models)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    threading.Thread(target=serve_later, daemon=True).start()
+    t0 = time.monotonic()
+    assert served_model(f"http://127.0.0.1:{port}/v1", "none", wait_s=30) == "late-policy"
+    assert 1.5 < time.monotonic() - t0 < 20
+    p = run(LAUNCH, "--policy-url", f"http://127.0.0.1:{closed_port()}/v1", "--work-dir", str(tmp_path / "w"),
+            "--wait-policy", "2")
+    assert_usage_error(p, PROG, "after waiting 2 s (--wait-policy)", "is miles serve running there?")
+    assert "waiting up to 2 s for miles serve" in p.stderr
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:30000/v1", "http://[::1/v1", "http://127.0.0.1:99999/v1"])
