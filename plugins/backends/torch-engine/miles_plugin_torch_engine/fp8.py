@@ -17,104 +17,20 @@ fp8 tensor and its ``*_scale_inv``) are taken as they are.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
-BLOCK = 128
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def quantize_blockwise(w: torch.Tensor, block: int = BLOCK, halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8, weight_scale_inv float32)`` of a 2-D weight ``[N, K]`` (scales ``[ceil(N/block),
-    ceil(K/block)]``) or of 3-D expert weights ``[E, N, K]``, each expert on its own (scales ``[E,
-    ceil(N/block), ceil(K/block)]``). ``halves=2`` blocks the two halves of ``N`` (a fused gate/up
-    weight) separately: ``2 * ceil(N/2/block)`` scale rows. Edge blocks (shapes not multiples of
-    ``block``) get their own scale from their own values."""
-    if w.dim() not in (2, 3):
-        raise ValueError(f"blockwise FP8 needs a 2-D weight or 3-D expert weights, got shape {tuple(w.shape)}")
-    lead, (N, K) = w.shape[:-2], w.shape[-2:]
-    if N % halves:
-        raise ValueError(f"blockwise FP8: {N} rows do not split into {halves} halves")
-    q, scale = _quantize(w.reshape(-1, N // halves, K), block)
-    return q.reshape(w.shape), scale.reshape(*lead, halves * scale.shape[-2], scale.shape[-1])
-
-
-def _quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise e4m3 of ``x [G, N, K]``: one scale per (matrix, block)."""
-    G, N, K = x.shape
-    nb, kb = -(-N // block), -(-K // block)
-    padded = F.pad(x.float(), (0, kb * block - K, 0, nb * block - N))
-    blocks = padded.view(G, nb, block, kb, block)
-    amax = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12)
-    scale = amax / E4M3_MAX  # an all-zero block keeps a tiny scale and quantizes to zeros
-    q = (blocks / scale[:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(G, nb * block, kb * block)[:, :N, :K].contiguous(), scale
-
-
-def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
-                         block: int = BLOCK, halves: int = 1) -> torch.Tensor:
-    """The weight ``q * scale_inv`` (each scale repeated over its block), in ``dtype``; the
-    inverse layout of :func:`quantize_blockwise` (2-D or 3-D, ``halves`` as there)."""
-    N, K = q.shape[-2:]
-    x = q.reshape(-1, N // halves, K)
-    s = scale_inv.reshape(x.shape[0], -1, scale_inv.shape[-1])
-    full = s.repeat_interleave(block, -2)[:, :N // halves].repeat_interleave(block, -1)[:, :, :K]
-    return (x.float() * full).to(dtype).reshape(q.shape)
-
-
-def scaled_mm_supported(device: torch.device) -> bool:
-    """FP8 GEMMs with rowwise scales: CUDA devices of compute capability >= 8.9, and CPU where this
-    torch's kernel takes rowwise scales (2.13 does; older ones take one scale per tensor only)."""
-    if not hasattr(torch, "_scaled_mm"):
-        return False
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu" and _cpu_rowwise()
-
-
-@functools.cache
-def _cpu_rowwise() -> bool:
-    """Whether CPU ``torch._scaled_mm`` accepts rowwise scales (tried once on a 16x16 product)."""
-    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
-    except RuntimeError:
-        return False
-    return True
-
-
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """``x [T, K] @ W.T`` for the blockwise FP8 weight ``W = q [N, K] * scale_inv`` on FP8 GEMMs:
-    ``x`` is quantized per token and ``block``-column group; each group is one ``torch._scaled_mm``
-    with rowwise scales (the token's scale, and each output row's block scale), summed in float32.
-
-    CUDA's rowwise-scaled FP8 GEMM wants ``K`` and ``N`` multiples of 16, a column-major second
-    operand, float32 scales ``[T, 1]`` and ``[1, N]`` and a bfloat16 output, and cuBLAS refuses
-    token counts whose scale vectors are not 16-byte aligned, so edge groups are zero-padded to a
-    full block and ``T`` and ``N`` to multiples of 16 (zeros add nothing to the products; the padded
-    outputs are dropped); CPU takes the same layout."""
-    T, K = x.shape
-    N = q.shape[0]
-    G, Tp, Np = -(-K // block), -(-T // 16) * 16, -(-N // 16) * 16
-    out_dtype = torch.bfloat16 if x.is_cuda else torch.float32  # CUDA's rowwise scaling wants bf16 out
-    xg = F.pad(x.float(), (0, G * block - K, 0, Tp - T)).view(Tp, G, block)
-    sa = xg.abs().amax(dim=-1).clamp(min=1e-12) / E4M3_MAX  # [Tp, G]: one scale per token and group
-    # [G, Tp, block] row-major per group; cast after the transpose (float8 copies are not everywhere)
-    xq = (xg / sa[..., None]).clamp(-E4M3_MAX, E4M3_MAX).transpose(0, 1).contiguous().to(torch.float8_e4m3fn)
-    sa = sa.t().contiguous()  # [G, Tp]
-    # the weight as [G, Np, block] bytes (0 is e4m3's +0.0); group g's .t() is column-major [block, Np]
-    qb = F.pad(q.view(torch.uint8), (0, G * block - K, 0, Np - N))
-    qg = qb.view(Np, G, block).transpose(0, 1).contiguous().view(torch.float8_e4m3fn)
-    sb = F.pad(scale_inv.float().repeat_interleave(block, 0)[:N], (0, 0, 0, Np - N), value=1.0)
-    sb = sb.t().contiguous()  # [G, Np]: each output row's scale in group g
-    acc = torch.zeros(Tp, Np, dtype=torch.float32, device=x.device)
-    for g in range(G):
-        acc += torch._scaled_mm(xq[g], qg[g].t(), scale_a=sa[g].unsqueeze(1), scale_b=sb[g].unsqueeze(0),
-                                out_dtype=out_dtype).float()
-    return acc[:T, :N].to(x.dtype)
+# the numerics are miles_lowp's, which the trainers share (fp8 training computes with these blocks)
+from miles_lowp.fp8 import (  # noqa: F401  (re-exported: the engine's FP8 API)
+    BLOCK,
+    E4M3_MAX,
+    dequantize_blockwise,
+    fp8_linear,
+    quantize_blockwise,
+    scaled_mm_supported,
+)
 
 
 class _Quantized(torch.nn.Module):

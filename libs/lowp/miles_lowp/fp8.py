@@ -1,0 +1,148 @@
+"""Blockwise FP8 (e4m3), the DeepSeek-V3 layout: weights in 128x128 blocks with one float32 scale
+each (``weight ≈ fp8 * weight_scale_inv``, Hugging Face's naming), activations in 1x128 groups
+(one scale per token and 128 columns).
+
+A GEMM ``a @ b.T`` whose operands are both quantized along the reduction dimension in groups of
+``block`` (a 128x128 weight block is, row by row, such a group with the block's scale) is
+:func:`grouped_mm`: on CUDA one ``torch._scaled_mm`` per group with rowwise scales, summed in
+float32; emulated (CPUs, or on request) it dequantizes both operands and multiplies in float32:
+the same products, summed in another order.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+_TINY = 1e-12  # an all-zero block keeps a tiny scale and quantizes to zeros
+
+
+def quantize_blockwise(w: torch.Tensor, block: int = BLOCK, halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8, weight_scale_inv float32)`` of a 2-D weight ``[N, K]`` (scales ``[ceil(N/block),
+    ceil(K/block)]``) or of 3-D expert weights ``[E, N, K]``, each expert on its own (scales ``[E,
+    ceil(N/block), ceil(K/block)]``). ``halves=2`` blocks the two halves of ``N`` (a fused gate/up
+    weight) separately: ``2 * ceil(N/2/block)`` scale rows. Edge blocks (shapes not multiples of
+    ``block``) get their own scale from their own values."""
+    if w.dim() not in (2, 3):
+        raise ValueError(f"blockwise FP8 needs a 2-D weight or 3-D expert weights, got shape {tuple(w.shape)}")
+    lead, (N, K) = w.shape[:-2], w.shape[-2:]
+    if N % halves:
+        raise ValueError(f"blockwise FP8: {N} rows do not split into {halves} halves")
+    q, scale = _quantize(w.reshape(-1, N // halves, K), block)
+    return q.reshape(w.shape), scale.reshape(*lead, halves * scale.shape[-2], scale.shape[-1])
+
+
+def _quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise e4m3 of ``x [G, N, K]``: one scale per (matrix, block)."""
+    G, N, K = x.shape
+    nb, kb = -(-N // block), -(-K // block)
+    padded = F.pad(x.float(), (0, kb * block - K, 0, nb * block - N))
+    blocks = padded.view(G, nb, block, kb, block)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=_TINY) / E4M3_MAX
+    q = (blocks / scale[:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(G, nb * block, kb * block)[:, :N, :K].contiguous(), scale
+
+
+def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                         block: int = BLOCK, halves: int = 1) -> torch.Tensor:
+    """The weight ``q * scale_inv`` (each scale repeated over its block), in ``dtype``; the
+    inverse layout of :func:`quantize_blockwise` (2-D or 3-D, ``halves`` as there)."""
+    N, K = q.shape[-2:]
+    x = q.reshape(-1, N // halves, K)
+    s = scale_inv.reshape(x.shape[0], -1, scale_inv.shape[-1])
+    full = s.repeat_interleave(block, -2)[:, :N // halves].repeat_interleave(block, -1)[:, :, :K]
+    return (x.float() * full).to(dtype).reshape(q.shape)
+
+
+def quantize_groups(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 [..., K], scale float32 [..., ceil(K/block)])``: each row of ``x`` in groups of
+    ``block`` columns with one scale each (1x128 activations); the edge group is zero-padded."""
+    K = x.shape[-1]
+    G = -(-K // block)
+    xg = F.pad(x.float(), (0, G * block - K)).unflatten(-1, (G, block))
+    scale = xg.abs().amax(-1).clamp(min=_TINY) / E4M3_MAX
+    q = (xg / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2)[..., :K].contiguous(), scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` for :func:`quantize_groups`' layout (also MX's, whose scales are powers of 2)."""
+    return (q.float() * scale.repeat_interleave(block, -1)[..., :q.shape[-1]]).to(dtype)
+
+
+def block_row_scales(scale_inv: torch.Tensor, rows: int, block: int = BLOCK) -> torch.Tensor:
+    """``[rows, K blocks]``: a 128x128-blocked weight's scales as per-row group scales (each row
+    of a block shares the block's scale), the layout :func:`grouped_mm` takes."""
+    return scale_inv.float().repeat_interleave(block, 0)[:rows]
+
+
+def grouped_mm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, block: int = BLOCK,
+               emulate: bool | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``a @ b.T`` for ``a = aq [M, K] * sa [M, G]`` and ``b = bq [N, K] * sb [N, G]``, both fp8 in
+    groups of ``block`` along ``K``. ``emulate`` (default: not on CUDA) dequantizes and multiplies
+    in float32; else one ``torch._scaled_mm`` per group, summed in float32."""
+    if emulate is None:
+        emulate = not aq.is_cuda
+    if emulate:
+        return (dequantize_groups(aq, sa, block) @ dequantize_groups(bq, sb, block).t()).to(out_dtype)
+    return _scaled_groups(aq, sa, bq, sb, block).to(out_dtype)
+
+
+def _scaled_groups(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
+                   block: int) -> torch.Tensor:
+    """One rowwise-scaled FP8 GEMM per ``block``-column group. CUDA's rowwise scaling wants ``K``
+    and ``N`` multiples of 16, a column-major second operand, float32 scales ``[M, 1]`` and ``[1,
+    N]`` and a bfloat16 output, and cuBLAS refuses row counts whose scale vectors are not 16-byte
+    aligned: edge groups are zero-padded to a full block, ``M`` and ``N`` to multiples of 16 (zeros
+    add nothing; the padded outputs are dropped). CPU takes the same layout."""
+    (M, K), N = aq.shape, bq.shape[0]
+    G, Mp, Np = -(-K // block), -(-M // 16) * 16, -(-N // 16) * 16
+    out_dtype = torch.bfloat16 if aq.is_cuda else torch.float32
+
+    def groups(q: torch.Tensor, rows: int) -> torch.Tensor:  # [G, rows, block], 0 is e4m3's +0.0
+        b = F.pad(q.view(torch.uint8), (0, G * block - K, 0, rows - q.shape[0]))
+        return b.view(rows, G, block).transpose(0, 1).contiguous().view(torch.float8_e4m3fn)
+
+    ag, bg = groups(aq, Mp), groups(bq, Np)
+    sa = F.pad(sa.float(), (0, 0, 0, Mp - M), value=1.0).t().contiguous()  # [G, Mp]
+    sb = F.pad(sb.float(), (0, 0, 0, Np - N), value=1.0).t().contiguous()  # [G, Np]
+    acc = torch.zeros(Mp, Np, dtype=torch.float32, device=aq.device)
+    for g in range(G):
+        acc += torch._scaled_mm(ag[g], bg[g].t(), scale_a=sa[g].unsqueeze(1), scale_b=sb[g].unsqueeze(0),
+                                out_dtype=out_dtype).float()
+    return acc[:M, :N]
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """FP8 GEMMs with rowwise scales: CUDA devices of compute capability >= 8.9, and CPU where this
+    torch's kernel takes rowwise scales (2.13 does; older ones take one scale per tensor only)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu" and _cpu_rowwise()
+
+
+@functools.cache
+def _cpu_rowwise() -> bool:
+    """Whether CPU ``torch._scaled_mm`` accepts rowwise scales (tried once on a 16x16 product)."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK,
+               emulate: bool = False) -> torch.Tensor:
+    """``x [T, K] @ W.T`` for the blockwise FP8 weight ``W = q [N, K] * scale_inv``: ``x`` is
+    quantized per token and ``block``-column group, then :func:`grouped_mm` (``torch._scaled_mm``
+    unless ``emulate``)."""
+    xq, sx = quantize_groups(x, block)
+    out = grouped_mm(xq, sx, q, block_row_scales(scale_inv, q.shape[0], block), block, emulate)
+    return out.to(x.dtype)
