@@ -654,6 +654,18 @@ class KnowsArchitecture(Protocol):
     def architecture(self) -> Architecture | None: ...
 
 
+@runtime_checkable
+class BuildsMegatron(Protocol):
+    """An architecture the megatron trainer builds from megatron-core's modules:
+    ``megatron_arch(hf_config)`` -> the trainer's architecture facts for this Hugging Face config
+    (a dict of its ``Arch`` fields: multi-latent attention ranks, router score function, expert
+    bias, expert groups, shared experts, dense layers, rotary fraction; miles-plugin-megatron's
+    README lists them). Raises ``MilesError`` naming the config key it cannot build. An
+    architecture that also ``EditsMegatronLayers`` inserts modules megatron-core lacks."""
+
+    def megatron_arch(self, hf_config: Any) -> dict[str, Any]: ...
+
+
 # --- the run, as phases, commands and launchers see it --------------------------------------------
 @runtime_checkable
 class RunContext(Protocol):

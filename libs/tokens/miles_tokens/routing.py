@@ -65,3 +65,24 @@ def score_weights(scores: Any, indices: Any, normalize: bool, scale: float) -> A
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale
+
+
+def sigmoid_moe_megatron(hf: Any) -> dict[str, Any]:
+    """The megatron trainer's ``Arch`` fields for DeepSeek-V3-style MoE (GLM-4.5 routes alike),
+    from its Hugging Face config: sigmoid scores plus a selection-only expert bias, groups ranked by
+    their two best experts, the chosen scores renormalised and scaled, shared experts, the first
+    ``first_k_dense_replace`` layers dense. A ValueError names a setting megatron-core computes
+    otherwise."""
+    groups, top_groups, top_k = hf.n_group or 1, hf.topk_group or 1, hf.num_experts_per_tok
+    if groups > 1 and top_k != 2 * top_groups:
+        # megatron-core ranks a group by its top (top_k / topk_group) scores; these models by their top 2
+        raise ValueError(f"model.config.num_experts_per_tok ({top_k}) must be 2 x topk_group ({top_groups}) "
+                         f"when n_group > 1 (groups are ranked by their two best experts)")
+    if not hf.norm_topk_prob and top_k > 1:
+        raise ValueError("model.config.norm_topk_prob: false is not supported (megatron-core renormalises "
+                         "the chosen sigmoid scores)")
+    return dict(experts=hf.n_routed_experts, topk=top_k, moe_ffn=hf.moe_intermediate_size, norm_topk=True,
+                score="sigmoid", expert_bias=True, groups=groups if groups > 1 else 0,
+                group_topk=top_groups if groups > 1 else 0, scaling=float(hf.routed_scaling_factor),
+                shared_ffn=hf.moe_intermediate_size * (hf.n_shared_experts or 0),
+                dense_layers=tuple(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))))

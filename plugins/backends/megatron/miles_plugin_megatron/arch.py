@@ -1,7 +1,9 @@
 """Hugging Face config -> megatron-core ``GPTModel`` (local layer spec, no Transformer Engine).
 
 ``Arch`` is the handful of facts the builder and the weight converter need, read once from a
-Hugging Face config of a supported family (Llama, Qwen2, Qwen3, Qwen3-MoE).
+Hugging Face config of a built-in family (Llama, Qwen2, Qwen3, Qwen3-MoE) or, for any other
+family, from its architecture plugin (``miles.protocols.BuildsMegatron``: multi-latent attention,
+sigmoid routing with expert bias and groups, shared experts, dense layers among MoE ones).
 """
 from __future__ import annotations
 
@@ -36,22 +38,52 @@ class Arch:
     topk: int = 0
     moe_ffn: int = 0
     norm_topk: bool = True
+    # from an architecture plugin (BuildsMegatron); the defaults are the built-in families'
+    q_lora_rank: int | None = None  # multi-latent attention (kv_lora_rank > 0); None: no query LoRA
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    latent_eps: float | None = None  # the latent RMSNorms' epsilon, where it is not ``eps``
+    rotary_fraction: float = 1.0  # RoPE on the first fraction of each head (GLM: 0.5)
+    score: str = "softmax"  # router: softmax over experts, or a sigmoid per expert
+    expert_bias: bool = False  # a selection-only bias per expert (sigmoid routing)
+    groups: int = 0  # group-limited top-k: experts in ``groups`` groups, ``group_topk`` of them chosen
+    group_topk: int = 0
+    scaling: float | None = None  # routed experts' weights scaled by this
+    shared_ffn: int = 0  # shared experts' total FFN size (0: none)
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense FFN of size ``ffn``
 
     @property
     def moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` (0-based, across the model) has an MoE FFN."""
+        return self.moe and i not in self.dense_layers
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron's vocab-parallel embedding needs rows divisible by the TP size."""
         return -(-self.vocab // tp) * tp
 
 
-def arch_of(hf: Any) -> Arch:
-    """The ``Arch`` of a transformers ``PretrainedConfig``; unsupported features are errors."""
+def arch_of(hf: Any, architecture: Any = None) -> Arch:
+    """The ``Arch`` of a transformers ``PretrainedConfig``; unsupported features are errors.
+    ``architecture``: the model's registered ``Architecture`` (None: none registered), which
+    describes a family outside ``FAMILIES`` if it ``BuildsMegatron``."""
+    from miles.protocols import BuildsMegatron
+
     family = getattr(hf, "model_type", None)
     if family not in FAMILIES:
+        if isinstance(architecture, BuildsMegatron):
+            return _described(hf, architecture)
         raise MilesError(f"trainer megatron: model_type {family!r} is not supported (supported: "
-                         f"{', '.join(FAMILIES)}); use trainer.name=fsdp2 for other architectures")
+                         f"{', '.join(FAMILIES)}, and families whose architecture plugin builds Megatron "
+                         f"models); use trainer.name=fsdp2 for other architectures")
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise MilesError(f"trainer megatron: rope scaling {rope.get('rope_type') or rope.get('type')!r} "
@@ -75,6 +107,32 @@ def arch_of(hf: Any) -> Arch:
         norm_topk=bool(getattr(hf, "norm_topk_prob", True)))
 
 
+def _described(hf: Any, architecture: Any) -> Arch:
+    """The ``Arch`` of a family its architecture plugin describes: the common transformer sizes
+    from the config, the rest from ``megatron_arch``."""
+    import dataclasses
+
+    fields = architecture.megatron_arch(hf)
+    known = {f.name for f in dataclasses.fields(Arch)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise MilesError(f"trainer megatron: the {hf.model_type} architecture plugin names unknown Arch "
+                         f"fields {unknown} (known: {sorted(known)})")
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    heads = hf.num_attention_heads
+    base = dict(family=hf.model_type, num_layers=hf.num_hidden_layers, hidden=hf.hidden_size, heads=heads,
+                kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+                head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+                ffn=hf.intermediate_size, vocab=hf.vocab_size, max_positions=hf.max_position_embeddings,
+                eps=hf.rms_norm_eps, rope_theta=float(rope.get("rope_theta", 10000.0)),
+                tied=bool(hf.tie_word_embeddings), qkv_bias=bool(getattr(hf, "attention_bias", False)),
+                qk_norm=False)
+    if rope.get("rope_type", "default") != "default":
+        raise MilesError(f"trainer megatron: rope scaling {rope.get('rope_type')!r} is not supported "
+                         f"(only plain RoPE)")
+    return Arch(**{**base, **fields})
+
+
 def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp: int = 1,
                        params_dtype: torch.dtype = torch.float32, fused: bool = False) -> Any:
     """A megatron-core ``TransformerConfig`` that computes what the Hugging Face model computes.
@@ -89,13 +147,29 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
                   # top-k-then-softmax is that renormalised form, pre-softmax the other
                   moe_router_pre_softmax=not arch.norm_topk, moe_router_load_balancing_type="none",
                   moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-                  moe_permute_fusion=False, moe_router_dtype="fp32")
+                  moe_permute_fusion=False, moe_router_dtype="fp32", moe_router_score_function=arch.score,
+                  moe_router_enable_expert_bias=arch.expert_bias,
+                  moe_router_topk_scaling_factor=arch.scaling,
+                  moe_layer_freq=[int(arch.moe_layer(i)) for i in range(arch.num_layers)])
+        if arch.groups > 1:
+            kw.update(moe_router_num_groups=arch.groups, moe_router_group_topk=arch.group_topk)
+        if arch.shared_ffn:
+            kw.update(moe_shared_expert_intermediate_size=arch.shared_ffn)
+    if arch.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig
+
+        # plain RoPE on the positional part (no YaRN: scaling factor 1 keeps the softmax scale
+        # 1/sqrt(q_head_dim)); megatron-core de-interleaves it as DeepSeek's checkpoints store it
+        kw.update(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+                  qk_head_dim=arch.qk_nope_dim, qk_pos_emb_head_dim=arch.qk_rope_dim, v_head_dim=arch.v_head_dim,
+                  rope_type="rope", rotary_base=arch.rope_theta, rotary_scaling_factor=1.0,
+                  rotary_percent=arch.rotary_fraction)
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
         num_query_groups=arch.kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn,
         normalization="RMSNorm", layernorm_epsilon=arch.eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        qk_layernorm=arch.qk_norm or arch.mla, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, bias_activation_fusion=fused, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -128,7 +202,7 @@ class SDPAttention(torch.nn.Module):
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                                **({"enable_gqa": True} if native else {}))
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * out.shape[-1])  # MLA: V's head size
 
 
 def _flash_gqa(q: torch.Tensor) -> bool:
@@ -186,26 +260,74 @@ def _submodules(builder: Any) -> Any:
     return getattr(builder, "submodules", None)
 
 
-def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1) -> Any:
+def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1, moe: bool | None = None) -> Any:
     """The local (no Transformer Engine) GPT layer spec with SDPA core attention, and with one
     tensor-parallel rank ``one_rank_linears`` for the attention and dense MLP projections.
     ``edit``: a model spec's ``megatron_layer_spec(layer_spec)`` hook, which may swap any submodule
-    (e.g. a custom router or attention output gate) before the model is built."""
+    (e.g. a custom router or attention output gate) before the model is built. ``moe``: an MoE
+    FFN (default: whether the model has experts)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=arch.experts or None, moe_grouped_gemm=False,
-                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    moe = arch.moe if moe is None else moe
+    spec = get_gpt_layer_local_spec(num_experts=arch.experts if moe else None, moe_grouped_gemm=False,
+                                    qk_layernorm=arch.qk_norm or arch.mla, multi_latent_attention=arch.mla,
+                                    normalization="RMSNorm")
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = SDPAttention
+    if arch.mla:
+        _mla_without_te()
+    if arch.mla and arch.latent_eps is not None and arch.latent_eps != arch.eps:
+        attn.q_layernorm = attn.kv_layernorm = _with_eps(attn.kv_layernorm, arch.latent_eps)
     mlp = _submodules(spec.submodules.mlp)
-    if tp == 1:
+    if tp == 1 and not arch.mla:
         column, row = one_rank_linears()
         attn.linear_qkv, attn.linear_proj = column, row
-        if not arch.moe and mlp is not None:
+        if not moe and mlp is not None:
             mlp.linear_fc1, mlp.linear_fc2 = column, row
-    if arch.moe and mlp is not None and hasattr(mlp, "router"):
+    if moe and mlp is not None and hasattr(mlp, "router"):
         mlp.router = fp32_router()
     return edit(spec) if edit is not None else spec
+
+
+@functools.cache
+def _mla_without_te() -> None:
+    """megatron-core 0.16's MLA module imports Transformer Engine's classes from its extension,
+    which without TE defines them as ``MagicMock`` instances, and then ``isinstance``-checks its
+    projection against one (a TypeError). Without TE nothing is a ``TELinear``: a class of that
+    meaning replaces the mock (no behaviour of megatron-core changes)."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type) and mla.TELinear is not None:
+        mla.TELinear = type("NoTransformerEngineLinear", (), {})
+
+
+def _with_eps(norm: Any, eps: float) -> type:
+    """``norm`` built with ``eps`` whatever megatron-core passes (DeepSeek's latent RMSNorms keep
+    their own epsilon). A class, as megatron-core's ``build_module`` wants."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    class FixedEpsNorm:
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            return build_module(norm, *args, **{**kwargs, "eps": eps})
+
+    return FixedEpsNorm
+
+
+def block_spec(arch: Arch, config: Any, edit: Callable[[Any], Any] | None = None, tp: int = 1,
+               vp_stage: int | None = None) -> Any:
+    """One layer spec for every layer, or, where dense and MoE layers mix, the spec of each layer
+    of this pipeline stage (or virtual chunk)."""
+    if not arch.dense_layers:
+        return layer_spec(arch, edit, tp)
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    kinds = {m: layer_spec(arch, edit, tp, moe=m) for m in (False, True)}
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[kinds[arch.moe_layer(i)] for i in range(offset, offset + count)],
+                                      layer_norm=LayerNormImpl)
 
 
 def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True, post_process: bool = True,
@@ -216,11 +338,12 @@ def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True,
     ``vp_stage``: the model chunk of this rank, with interleaved (virtual) pipeline stages."""
     from megatron.core.models.gpt import GPTModel
 
-    model = GPTModel(config, layer_spec(arch, edit, tp), vocab_size=arch.padded_vocab(tp),
+    model = GPTModel(config, block_spec(arch, config, edit, tp, vp_stage), vocab_size=arch.padded_vocab(tp),
                      max_sequence_length=arch.max_positions, pre_process=pre_process,
                      post_process=post_process,
                      share_embeddings_and_output_weights=arch.tied if tied is None else tied,
                      position_embedding_type="rope", rotary_base=arch.rope_theta,
+                     rotary_percent=arch.rotary_fraction,
                      **({"vp_stage": vp_stage} if vp_stage is not None else {}))
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)

@@ -1,5 +1,7 @@
 """Hugging Face <-> megatron-core weights for the local-spec ``GPTModel`` (Llama, Qwen2, Qwen3,
-Qwen3-MoE), as pure functions over state dicts so they run (and are tested) without a GPU.
+Qwen3-MoE, and families described by their architecture plugin: DeepSeek-V3's multi-latent
+attention, shared experts, expert bias, dense layers among MoE ones), as pure functions over state
+dicts so they run (and are tested) without a GPU.
 
 Three layers of layout:
 * *HF*: the transformers model's own ``state_dict`` names (fused ``mlp.experts.gate_up_proj``
@@ -23,7 +25,18 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # TP dimension of each (non-replicated) Megatron weight: column-parallel 0, row-parallel 1
 _TP_DIM = {"self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bias": 0,
            "self_attention.linear_proj.weight": 1, "mlp.linear_fc1.weight": 0, "mlp.linear_fc2.weight": 1,
-           "linear_fc1.weight": 0, "linear_fc2.weight": 1}
+           "linear_fc1.weight": 0, "linear_fc2.weight": 1,
+           # multi-latent attention: every projection column-parallel (megatron-core gathers the
+           # down-projections' outputs), its latent norms replicated
+           "self_attention.linear_q_proj.weight": 0, "self_attention.linear_q_down_proj.weight": 0,
+           "self_attention.linear_q_up_proj.weight": 0, "self_attention.linear_kv_down_proj.weight": 0,
+           "self_attention.linear_kv_up_proj.weight": 0,
+           "mlp.shared_experts.linear_fc1.weight": 0, "mlp.shared_experts.linear_fc2.weight": 1}
+# multi-latent attention: Megatron name -> HF name under ``self_attn.``
+_MLA = {"linear_q_proj.weight": "q_proj.weight", "linear_q_down_proj.weight": "q_a_proj.weight",
+        "q_layernorm.weight": "q_a_layernorm.weight", "linear_q_up_proj.weight": "q_b_proj.weight",
+        "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight", "kv_layernorm.weight": "kv_a_layernorm.weight",
+        "linear_kv_up_proj.weight": "kv_b_proj.weight"}
 
 
 # -- HF <-> full Megatron ----------------------------------------------------------------------------
@@ -67,9 +80,12 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
     a = p + "self_attn."
     out = {"input_layernorm.weight": hf[p + "input_layernorm.weight"],
            "pre_mlp_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
-           "self_attention.linear_qkv.weight": _qkv(arch, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"],
-                                                    hf[a + "v_proj.weight"]),
            "self_attention.linear_proj.weight": hf[a + "o_proj.weight"]}
+    if arch.mla:
+        out.update({f"self_attention.{m}": hf[a + h] for m, h in _MLA.items() if a + h in hf})
+    else:
+        out["self_attention.linear_qkv.weight"] = _qkv(arch, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"],
+                                                       hf[a + "v_proj.weight"])
     if arch.qkv_bias:
         out["self_attention.linear_qkv.bias"] = _qkv(arch, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"],
                                                      hf[a + "v_proj.bias"])
@@ -77,11 +93,18 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
         out["self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
         out["self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
     m = p + "mlp."
-    if not arch.moe:
+    if not arch.moe_layer(i):
         out["mlp.linear_fc1.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
         out["mlp.linear_fc2.weight"] = hf[m + "down_proj.weight"]
         return out
     out["mlp.router.weight"] = hf[m + "gate.weight"]
+    if arch.expert_bias:
+        out["mlp.router.expert_bias"] = hf[m + "gate.e_score_correction_bias"]
+    if arch.shared_ffn:
+        s = m + "shared_experts."
+        out["mlp.shared_experts.linear_fc1.weight"] = torch.cat([hf[s + "gate_proj.weight"],
+                                                                 hf[s + "up_proj.weight"]])
+        out["mlp.shared_experts.linear_fc2.weight"] = hf[s + "down_proj.weight"]
     fused = m + "experts.gate_up_proj" in hf
     for e in range(arch.experts):
         x = f"mlp.experts.local_experts.{e}."
@@ -127,8 +150,11 @@ def _layer_to_hf(mc: dict[str, torch.Tensor], arch: Arch, i: int, fused: bool) -
             kind = name.rsplit(".", 1)[1]
             for proj, x in zip("qkv", _unqkv(arch, t)):
                 out[f"{a}{proj}_proj.{kind}"] = x
-        elif name == "mlp.linear_fc1.weight":
-            out[m + "gate_proj.weight"], out[m + "up_proj.weight"] = (x.clone() for x in t.chunk(2))
+        elif name in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+            q = m if name == "mlp.linear_fc1.weight" else m + "shared_experts."
+            out[q + "gate_proj.weight"], out[q + "up_proj.weight"] = (x.clone() for x in t.chunk(2))
+        elif arch.mla and name.startswith("self_attention.") and name[15:] in _MLA:
+            out[a + _MLA[name[15:]]] = t
         elif (hit := _EXPERT.match(name)) is not None:
             experts.setdefault(int(hit[1]), {})[hit[2]] = t
         elif name in _SIMPLE:
@@ -158,7 +184,9 @@ _SIMPLE = {"input_layernorm.weight": "input_layernorm.weight",
            "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
            "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
            "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-           "mlp.router.weight": "mlp.gate.weight"}
+           "mlp.router.weight": "mlp.gate.weight",
+           "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+           "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight"}
 
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")

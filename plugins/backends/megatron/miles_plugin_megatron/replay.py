@@ -32,8 +32,12 @@ class ReplayTable:
     long in megatron-core's token order (sequence-major: ``s * B + b``), -1 where a token is
     routed as usual; None outside ``replaying``."""
 
-    def __init__(self, layers: int, top_k: int, experts: int, extension: str):
+    def __init__(self, layers: int, top_k: int, experts: int, extension: str,
+                 moe_layers: list[int] | None = None):
         self.layers, self.top_k, self.experts, self.extension = layers, top_k, experts, extension
+        # records hold the MoE layers only: decoder layer -> its column (dense first layers skipped)
+        self.column = {layer: c for c, layer in enumerate(moe_layers if moe_layers is not None else range(layers))}
+        self.mixed = max(self.column, default=-1) + 1 > layers
         self.table: torch.Tensor | None = None
 
     @contextlib.contextmanager
@@ -70,7 +74,7 @@ class _Replay:
         if self.table.table is None:
             return own
         number = self.layer()  # megatron-core numbers layers from 1, across pipeline stages
-        forced = self.table.table[:, number - 1].to(scores.device)
+        forced = self.table.table[:, self.table.column[number - 1]].to(scores.device)
         if forced.shape[0] != scores.shape[0]:
             raise MilesError(f"routing replay: {forced.shape[0]} recorded tokens for a forward of "
                              f"{scores.shape[0]} tokens")
@@ -101,6 +105,8 @@ def spec_edit(table: ReplayTable) -> Callable[[Any], Any]:
     """A layer-spec edit that swaps the MoE router for one replaying ``table``."""
     def edit(spec: Any) -> Any:
         moe = _submodules(spec.submodules.mlp)
+        if table.mixed and (moe is None or not hasattr(moe, "router")):
+            return spec  # a dense layer of a model with MoE ones
         if moe is None or not hasattr(moe, "router"):
             raise MilesError("routing replay: the Megatron layer spec has no MoE router to replay into")
         moe.router = router_class(moe.router, table)
@@ -123,4 +129,5 @@ def table_for(spec: Any, hf_model: torch.nn.Module, arch: Any) -> ReplayTable | 
     if not isinstance(extension, str):
         raise MilesError(f"model spec {type(spec).__name__}: its routing recorder is no "
                          f"miles.protocols.RoutingRecorder naming its Sample.extensions key (`extension`)")
-    return ReplayTable(arch.num_layers, arch.topk, arch.experts, extension)
+    moe_layers = [i for i in range(arch.num_layers) if arch.moe_layer(i)]
+    return ReplayTable(len(moe_layers), arch.topk, arch.experts, extension, moe_layers)

@@ -21,7 +21,7 @@ from miles_fastpath.schedule import Tally, lr_lambda, step_or_skip
 from miles_rlmath.logprobs import fused_available, token_logprobs
 from miles_telemetry.flops import for_device, seq_lens
 from miles import Batch, MilesError
-from miles.protocols import EditsMegatronLayers
+from miles.protocols import EditsMegatronLayers, KnowsArchitecture
 
 from . import arch as arch_
 from . import compute as compute_
@@ -61,7 +61,8 @@ class MegatronTrainer:
         self.device = par.pick_device(cfg.device, local_rank, self.world_size)
         torch.manual_seed(seed)  # the same seed on every rank: identical initial weights
         hf = spec.build_model(tokenizer)  # the source of the config and the initial weights
-        self.arch = arch_.arch_of(hf.config)
+        family = spec.architecture() if isinstance(spec, KnowsArchitecture) else None
+        self.arch = arch_.arch_of(hf.config, family)
         self.throughput = for_device(hf.config, self.world_size, self.device, cfg.precision,
                                      cfg.peak_tflops)  # mfu, tokens/GPU/s
         par.check_layout(cfg, self.arch, self.world_size)
@@ -84,7 +85,9 @@ class MegatronTrainer:
         self.fused_experts = any(k.endswith("experts.gate_up_proj") for k in hf_state)
         # R3: the spec records routing, so the MoE routers replay the rollout's experts
         self.replay = replay_.table_for(spec, hf, self.arch)
-        self.edit = _edits(spec.megatron_layer_spec if isinstance(spec, EditsMegatronLayers) else None,
+        # the architecture inserts modules megatron-core lacks, then the spec edits, then R3's router
+        self.edit = _edits(family.megatron_layer_spec if isinstance(family, EditsMegatronLayers) else None,
+                           spec.megatron_layer_spec if isinstance(spec, EditsMegatronLayers) else None,
                            replay_.spec_edit(self.replay) if self.replay is not None else None)
         self.model, self.compute = self._build(), None
         self._load_full(convert.hf_to_full(hf_state, self.arch, self.tp))

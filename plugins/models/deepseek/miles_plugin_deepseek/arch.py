@@ -12,11 +12,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from miles_tokens.routing import score_weights
+from miles_tokens.routing import score_weights, sigmoid_moe_megatron
 
 
 class DeepseekV3:
     padded_batches = True
+
+    def megatron_arch(self, hf: Any) -> dict[str, Any]:
+        """Multi-latent attention (megatron-core's MLA modules) over sigmoid-routed MoE."""
+        from miles import MilesError
+
+        if not getattr(hf, "rope_interleave", True):
+            raise MilesError("trainer megatron: rope_interleave: false is not supported (megatron-core's "
+                             "MLA reads the rotary dimensions interleaved, as DeepSeek stores them)")
+        try:
+            moe = sigmoid_moe_megatron(hf)
+        except ValueError as e:
+            raise MilesError(f"trainer megatron: {e}") from None
+        return dict(moe, q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
+                    qk_nope_dim=hf.qk_nope_head_dim, qk_rope_dim=hf.qk_rope_head_dim,
+                    v_head_dim=hf.v_head_dim, latent_eps=1e-6,  # DeepseekV3RMSNorm's default
+                    head_dim=hf.qk_nope_head_dim + hf.qk_rope_head_dim, kv_heads=hf.num_attention_heads)
 
     def check_config(self, config: dict[str, Any]) -> list[str]:
         experts, groups = config.get("n_routed_experts", 256), config.get("n_group", 8)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from miles_tokens.routing import score_weights
+from miles_tokens.routing import score_weights, sigmoid_moe_megatron
 
 
 def _group_problems(config: dict[str, Any]) -> list[str]:
@@ -42,6 +42,19 @@ class _SigmoidRouted:
 class Glm4Moe(_SigmoidRouted):
     padded_batches = True
     router_class = "Glm4MoeTopkRouter"
+
+    def megatron_arch(self, hf: Any) -> dict[str, Any]:
+        """Grouped-query attention (q/k norms optional, RoPE on a fraction of each head) over
+        sigmoid-routed MoE with shared experts and dense first layers."""
+        from miles import MilesError
+
+        try:
+            moe = sigmoid_moe_megatron(hf)
+        except ValueError as e:
+            raise MilesError(f"trainer megatron: {e}") from None
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        return dict(moe, qk_norm=bool(hf.use_qk_norm),
+                    rotary_fraction=float(rope.get("partial_rotary_factor", 1.0)))
 
 
 class GlmMoeDsa(_SigmoidRouted):

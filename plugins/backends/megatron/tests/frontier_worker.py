@@ -1,0 +1,50 @@
+"""One rank of a 2-rank CPU run (gloo) of the megatron trainer on DeepSeek-V3 and GLM-4.5
+(``frontier.py``), started by test_frontier.py through torch.distributed.run with the TEST-ONLY
+CPU shim: each family at tensor_parallel=2 and at expert_parallel=2 (so data-parallel 2). Writes
+the log-probs' distance from transformers, whether the export is bit-exact, and one optimizer
+step's loss and log-probs after it to ``OUT/{family}_tp{T}_ep{E}_rank{R}.pt``."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cpu_shim  # noqa: E402
+from frontier import Spec, hf_model  # noqa: E402
+from helpers import batch, hf_logprobs  # noqa: E402
+
+CASES = [(family, tp, ep) for family in ("deepseek_v3", "glm4_moe") for tp, ep in ((2, 1), (1, 2))]
+
+
+def step(trainer, b):
+    return trainer.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+
+
+def run(out: str, family: str, tp: int, ep: int) -> None:
+    import torch.distributed as dist
+    from miles_plugin_megatron import parallel
+    from miles_plugin_megatron.config import MegatronConfig
+    from miles_plugin_megatron.trainer import MegatronTrainer
+
+    cfg = MegatronConfig(device="cpu", precision="fp32", tensor_parallel=tp, expert_parallel=ep, lr=1e-3,
+                         grad_clip=None)
+    tr = MegatronTrainer(cfg, spec=Spec(family), tokenizer=None, seed=0, total_steps=10)
+    b = batch(rows=5)
+    hf = hf_model(family)
+    lp = tr.logprobs(b)
+    mask = b.loss_mask.bool()
+    hs = hf.state_dict()
+    exported = dict(tr.named_weights())
+    result = {"lp_diff": float((lp - hf_logprobs(hf, b))[mask].abs().max()),
+              "export_equal": set(exported) == set(hs) and all(torch.equal(exported[k], v) for k, v in hs.items())}
+    result["loss"] = step(tr, b)["loss"]
+    result["after"] = tr.logprobs(b)
+    torch.save(result, Path(out) / f"{family}_tp{tp}_ep{ep}_rank{dist.get_rank()}.pt")
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    cpu_shim.install(pytest.MonkeyPatch())
+    for case in CASES:
+        run(sys.argv[1], *case)
