@@ -56,7 +56,7 @@ class InProcess:
 
 
 def test_engine_without_endpoint_is_refused_with_the_fix():
-    with pytest.raises(MilesError, match="p2p_open.*sync.name=tensor"):
+    with pytest.raises(MilesError, match="p2p_open.*transport.name=tensor"):
         P2PTransport(P2PSyncConfig()).sync(Policy(1), [InProcess()], 1)
 
 

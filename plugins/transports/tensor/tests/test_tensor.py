@@ -174,6 +174,6 @@ def test_a_segment_too_big_for_dev_shm_is_refused_with_a_way_out(monkeypatch):
     usage = shutil.disk_usage("/dev/shm")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
     pool = handoff.SegmentPool()
-    with pytest.raises(MilesError, match=r"does not fit in /dev/shm.*sync.bucket_mb"):
+    with pytest.raises(MilesError, match=r"does not fit in /dev/shm.*transport.bucket_mb"):
         handoff.shm_payload(pool, 0, list(Policy().named_weights()), adopt=True)
     pool.close()
