@@ -40,11 +40,16 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
                         description='"cpu", "cuda", "cuda:N", or "auto" (cuda when available)')
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the engine's model weights and KV cache")
-    weights_dtype: Literal["model", "fp8"] = Field(
+    weights_dtype: Literal["model", "fp8", "int4", "mxfp8"] = Field(
         "model", description='"fp8": linear layers (not the output head) and 3-D MoE expert weights '
         '(per expert) hold blockwise 128x128 float8_e4m3fn weights with a weight_scale_inv per block, '
-        'quantized from the trainer\'s weights at every sync (pair with algorithm.tis_cap); '
-        'runs the model\'s own forward; "model": the engine.dtype weights')
+        'quantized from the trainer\'s weights at every sync (pair with algorithm.tis_cap, or train with '
+        'trainer.precision: fp8); "int4": the same weights packed as symmetric INT4 with a scale per 128 '
+        '(W4A16; needs trainer.qat: int4); "mxfp8": e4m3 with an E8M0 scale per 32 weights, activations '
+        'rounded alike (emulated); each runs the model\'s own forward; "model": the engine.dtype weights')
+    quant_scope: Literal["all", "experts"] = Field(
+        "all", description='with weights_dtype int4: which weights are INT4: "all" linear layers but the '
+        'output head and the MoE expert weights, or only the "experts" (must match trainer.qat_scope)')
     fp8_gemm: Literal["auto", "scaled_mm", "dequantized"] = Field(
         "auto", description='with weights_dtype fp8: "scaled_mm" runs FP8 GEMMs (torch._scaled_mm; '
         'activations quantized per token and 128-column group), "dequantized" multiplies by the weights '
@@ -89,7 +94,7 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
 
     @model_validator(mode="after")
     def _fp8_runs_the_models_forward(self):
-        if self.weights_dtype == "fp8" and self.impl == "fast":
-            raise ValueError("engine.weights_dtype=fp8 runs the model's own forward (its FP8 linear "
-                             "layers); set engine.impl=auto or hf")
+        if self.weights_dtype != "model" and self.impl == "fast":
+            raise ValueError(f"engine.weights_dtype={self.weights_dtype} runs the model's own forward (its "
+                             f"quantized linear layers); set engine.impl=auto or hf")
         return self

@@ -98,7 +98,7 @@ class TorchEngine(WeightReceiver):
         sig = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in sig else "past_key_values"
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in sig else {}
-        self._fp8 = None  # engine.weights_dtype fp8: linear weights blockwise e4m3 (fp8.py)
+        self._fp8 = None  # engine.weights_dtype fp8 / int4 / mxfp8: quantized linear weights (fp8.py, lowp.py)
         if cfg.weights_dtype == "fp8":
             from .fp8 import FP8Weights, convert, scaled_mm_supported
 
@@ -109,6 +109,10 @@ class TorchEngine(WeightReceiver):
                 raise MilesError(f"engine.fp8_gemm=scaled_mm needs FP8 GEMMs (torch._scaled_mm on CPU, or a "
                                  f"CUDA GPU of compute capability >= 8.9); {self.device} has none: use auto")
             self._fp8 = FP8Weights(convert(self.model, gemm))
+        elif cfg.weights_dtype in ("int4", "mxfp8"):  # lowp.py: the same divert() as FP8 weights
+            from .lowp import convert as convert_lowp
+
+            self._fp8 = convert_lowp(self.model, cfg.weights_dtype, cfg.quant_scope)
         self._targets = dict(self.model.named_parameters(remove_duplicate=False))
         self._targets.update(self.model.named_buffers(remove_duplicate=False))
         # Llama-family models on CUDA or CPU float32 (or engine.impl=fast) take the fast path (batching.py)
