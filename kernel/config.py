@@ -222,7 +222,8 @@ class RolloutConfig(Strict):
 
 DEFAULT_NAMES = {"model": "hf", "env": "arith", "engine": "torch", "algorithm": "grpo",
                  "trainer": "fsdp2", "transport": "tensor", "launcher": None}
-TOP_LEVEL = ["run", "rollout", *SECTION_KINDS, "loggers", "plugins"]
+# draft: online training of a speculative-decoding draft, validated by the trainer plugin that runs it
+TOP_LEVEL = ["run", "rollout", *SECTION_KINDS, "draft", "loggers", "plugins"]
 # components that in-repo plugin distributions provide, for "not installed" errors
 PROVIDERS = {("modes", "async"): "miles-plugin-async", ("launchers", "local"): "miles-plugin-local",
              ("loggers", "console"): "miles-plugin-console", ("algorithms", "sft"): "miles-plugin-sft"}
@@ -255,6 +256,7 @@ class Config:
         sections = {s: dump(n, v) for s, (n, v) in self.components.items() if n is not None}
         return {"run": self.run.model_dump(mode="json"),
                 "rollout": dump(None, self.rollout, self.rollout_settings, self.mode_settings), **sections,
+                **({"draft": self.raw["draft"]} if self.raw.get("draft") is not None else {}),
                 "loggers": [dump(n, v) for n, v in self.loggers], "plugins": list(self.plugins)}
 
 

@@ -24,7 +24,7 @@ from miles_telemetry import RunRecorder
 from .config import Config
 from .errors import EngineRestarted, MilesError
 from .plugins import MilesPluginManager
-from .protocols import (BuildsBatches, Console, CriticAlgorithm, Distributed, ExactScoring, Exports, Mode,
+from .protocols import (BuildsBatches, Console, CriticAlgorithm, Distributed, ExactScoring, Exports, ExportsDraft, Mode,
                         OffersTokenizer, Prepares, ReceivesWeights, ScoresBatches, SupportsCritic,
                         SuppliesSamples, SyncFilter, UsesTokenizer)
 from .protocols import EngineStats, Recorder
@@ -141,7 +141,8 @@ class Loop:
         self.components.trainer = self.pm.create(
             "trainers", self.cfg.name("trainer"), settings or self.cfg.settings("trainer"), spec=self.components.spec,
             tokenizer=self.components.tokenizer, seed=self.seed, algorithm=algorithm or self.components.algorithm,
-            total_steps=self.cfg.run.steps if total_steps is None else total_steps)
+            total_steps=self.cfg.run.steps if total_steps is None else total_steps,
+            draft=self.cfg.raw.get("draft"))  # the draft: section (a trainer that trains a draft reads it)
         if found:
             try:
                 self.components.trainer.load(str(found[0] / "trainer"))
@@ -162,7 +163,8 @@ class Loop:
         if not isinstance(c.spec, Exports):
             raise MilesError(f"model spec {self.cfg.name('model')!r} cannot write a Hugging Face folder "
                              f"(miles.protocols.Exports){why}")
-        weights = c.trainer.named_weights() if c.trainer is not None \
+        draft = isinstance(c.trainer, ExportsDraft)  # its draft head goes beside the model, not into it
+        weights = (c.trainer.model_weights() if draft else c.trainer.named_weights()) if c.trainer is not None \
             else c.spec.build_model(c.tokenizer).state_dict().items()
         try:  # one shard: transformers' "Writing model shards" progress bar is noise
             from transformers.utils import logging as hf_logging
@@ -171,6 +173,8 @@ class Loop:
         except ImportError:
             pass
         c.spec.save_pretrained(weights, c.tokenizer, path)
+        if draft:
+            c.trainer.export_draft(path)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the eval split (a reward >= 1 is correct), the mean reward and the

@@ -549,6 +549,17 @@ class EngineStats(Protocol):
 
 
 @runtime_checkable
+class ExportsDraft(Protocol):
+    """A trainer that may train a speculative-decoding draft beside the policy (the ``draft:``
+    section): its ``named_weights`` carry the draft's too (weight syncs and checkpoints take them
+    along); ``model_weights()`` are the policy's alone, and ``export_draft(folder)`` writes the
+    draft beside a model exported there (nothing when it trains none)."""
+
+    def model_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]: ...
+    def export_draft(self, folder: str) -> None: ...
+
+
+@runtime_checkable
 class EngineStepMetrics(Protocol):
     """An engine with metrics of its own about the rollouts it generated, e.g. speculative
     decoding's ``spec_accept_len`` and ``spec_accept_rate``: ``step_metrics()`` covers what it

@@ -20,3 +20,14 @@ def _make(cfg, **context):
     from .trainer import FSDP2Trainer
 
     return FSDP2Trainer(cfg, **context)
+
+
+@hookimpl
+def miles_validate_config(config):
+    """The top-level ``draft:`` section (online training of a speculative-decoding draft head)."""
+    raw = config.raw.get("draft")
+    if raw is None:
+        return None
+    from .draftcheck import problems
+
+    return problems(config, raw)

@@ -124,7 +124,7 @@ class FSDP2Trainer:
     ``load_weights``, ``snapshot_reference``, ``save``, ``load``) must be called on every rank."""
 
     def __init__(self, cfg: FSDP2Config, *, spec: Any, tokenizer: Any, seed: int = 0,
-                 total_steps: int = 0, **_):
+                 total_steps: int = 0, draft: dict | None = None, algorithm: Any = None, **_):
         self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
         self.rank, local_rank, self.world_size = dist_.world_from_env(cfg.world_size)
         self.device = _pick_device(cfg.device, local_rank, self.world_size)
@@ -143,6 +143,9 @@ class FSDP2Trainer:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg, total_steps))
+        # the draft: section: a speculative-decoding draft head on the model (after the policy's
+        # optimizer: it has its own), trained after each update (miles_draft.train)
+        self.draft = _draft_training(draft, self.model, algorithm)
         self.gemm = (cpu_gemm.for_model("trainer.cpu_gemm", cfg.cpu_gemm, self.model)
                      if self.device.type == "cpu" else "mkl")
         self.workers = self._workers()
@@ -261,6 +264,10 @@ class FSDP2Trainer:
     def train_step(self, batch: Batch, loss_fn) -> dict[str, float]:
         t0 = time.perf_counter()
         out = self._train_step(batch, loss_fn)  # its metrics are floats: the device is done
+        if self.draft is not None:
+            mb = self._to(batch)
+            out.update(self.workers.run(self.draft.step, self.model, mb) if self.workers is not None
+                       else self.draft.step(self.model, mb))
         return {**out, **self.throughput.metrics(seq_lens(batch), time.perf_counter() - t0)}
 
     def _train_step(self, batch: Batch, loss_fn) -> dict[str, float]:
@@ -329,6 +336,23 @@ class FSDP2Trainer:
         for name, t in dist_.full_tensors(self._state_items()):
             yield name, t.detach()
 
+    def model_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named_weights`` without the draft head's (``miles.protocols.ExportsDraft``)."""
+        from miles_draft import PREFIX
+
+        return ((n, t) for n, t in self.named_weights() if not n.startswith(PREFIX))
+
+    def export_draft(self, folder: str) -> None:
+        """The draft head as ``draft_head.safetensors`` in ``folder`` (the engine's
+        ``engine.speculative.path`` reads it), if this trainer trains one."""
+        if self.draft is None:
+            return
+        from miles_draft.files import save_head, split
+
+        head = split(self.named_weights())[1]
+        if self.rank == 0:
+            save_head(head, folder)
+
     def _state_items(self) -> list[tuple[str, torch.Tensor]]:
         """The state dict's names with the live parameters and buffers they name, kept: FSDP2
         builds a state dict of DTensors at ~20 us per tensor, at every sync. (The sharded
@@ -370,13 +394,29 @@ class FSDP2Trainer:
         from . import checkpoint
 
         checkpoint.save(self, path)
+        if self.draft is not None and self.rank == 0:
+            self.draft.save(path)
 
     def load(self, path: str) -> None:
         """Collective; the checkpoint may come from another world size."""
         from . import checkpoint
 
         checkpoint.load(self, path)
+        if self.draft is not None:
+            self.draft.load(path)
         self._state = None  # loaded in place, but asked afresh in case a loader replaced tensors
+
+
+def _draft_training(settings: dict | None, model: torch.nn.Module, algorithm: Any) -> Any:
+    """The draft head's training for a ``draft:`` section (validated by this plugin's
+    ``miles_validate_config``), or None. A supervised phase (the warm start) always trains it."""
+    if settings is None:
+        return None
+    from miles_draft.config import DraftConfig
+    from miles_draft.train import DraftTraining
+
+    supervised = algorithm is not None and not algorithm.uses_rollout
+    return DraftTraining(DraftConfig.model_validate(settings), model, supervised=supervised)
 
 
 def _pick_device(name: str, local_rank: int, world: int) -> torch.device:

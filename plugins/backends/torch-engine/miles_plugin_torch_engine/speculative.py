@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from miles_fastpath.ops import rms_norm as _rms
 
+from . import cpu_workers
 from .batching import FastGenerator
 from .cuda_graphs import DecodeRunner
 from .engine import _filter
@@ -128,6 +129,19 @@ class SpecGenerator(FastGenerator):
         limit = cfg.speculative.max_batch
         self.max_batch = AUTO_MAX_BATCH.get(fwd.device.type, 32) if limit == "auto" else limit
         self.totals = {"steps": 0, "emitted": 0, "accepted": 0}  # row-steps; drained by the engine
+
+    def generate(self, *args: Any, **kwargs: Any) -> list:
+        """``FastGenerator.generate``; on CPU on a driver thread of one intra-op thread (as the
+        plain CPU path's driver, ``cpu_workers``): the caller's OpenMP team stalls at every small
+        op whenever another process takes a core."""
+        if self.fwd.device.type != "cpu" or torch.get_num_threads() <= 1:
+            return super().generate(*args, **kwargs)
+
+        def drive() -> list:
+            with torch.inference_mode():
+                return FastGenerator.generate(self, *args, **kwargs)
+
+        return cpu_workers.pool(1, "driver").submit(drive).result()
 
     def _size_cache(self, prompts, steps: int, n: int) -> None:
         super()._size_cache(prompts, steps + self.k + 1, n)  # a block writes k past the last token
