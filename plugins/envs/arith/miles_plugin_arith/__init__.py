@@ -1,4 +1,5 @@
-"""Env ``arith``: zero-padded multi-digit addition with an exact-match verifier (the quickstart)."""
+"""Env ``arith``: zero-padded multi-digit addition with an exact-match verifier (the quickstart), or
+arithmetic questions in chat messages graded by their final number, for pretrained chat models."""
 from miles import hookimpl
 
 
@@ -10,6 +11,10 @@ def miles_register_envs(register):
 
 
 def _make(cfg, *, seed: int = 0, **_):
+    if cfg.format == "chat":
+        from .chat import ArithChatEnv
+
+        return ArithChatEnv(cfg)
     from .env import ArithEnv
 
     return ArithEnv(cfg, seed=seed)

@@ -25,18 +25,23 @@ def char_tokenizer() -> Any:
     return shared(CHARS, bos=False)
 
 
+def split_pairs(cfg: ArithConfig) -> list[tuple[int, int]]:
+    """Every operand pair of ``cfg.digits`` digits, shuffled by ``data_seed``: the first
+    ``eval_size`` are the held-out problems, the rest the training ones."""
+    n = 10 ** cfg.digits
+    pairs = [(a, b) for a in range(n) for b in range(n)]
+    random.Random(cfg.data_seed).shuffle(pairs)
+    if cfg.eval_size >= len(pairs):
+        from miles import MilesError
+        raise MilesError(f"env.eval_size {cfg.eval_size} leaves no training problems "
+                         f"({len(pairs)} exist for digits={cfg.digits}); lower it")
+    return pairs
+
+
 class ArithEnv:
     def __init__(self, cfg: ArithConfig, seed: int = 0):
         self.cfg = cfg
-        d = cfg.digits
-        n = 10 ** d
-        pairs = [(a, b) for a in range(n) for b in range(n)]
-        rng = random.Random(cfg.data_seed)
-        rng.shuffle(pairs)
-        if cfg.eval_size >= len(pairs):
-            from miles import MilesError
-            raise MilesError(f"env.eval_size {cfg.eval_size} leaves no training problems "
-                             f"({len(pairs)} exist for digits={d}); lower it")
+        pairs = split_pairs(cfg)
         self.splits = {"eval": [self._task(a, b) for a, b in pairs[:cfg.eval_size]],
                        "train": [self._task(a, b) for a, b in pairs[cfg.eval_size:]]}
         teacher = random.Random(cfg.data_seed + 1)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from .config import ArithConfig
 
+# the plain format's data is what gets exported; these keys are the chat format's (or the target)
+CHAT_ONLY = {"export_dir", "format", "op", "instruction", "system_prompt"}
+
 
 def rows(env, split: str) -> list[dict]:
     """``train``: one row per demonstration (the teacher's answer, right or wrong); ``eval``:
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="output folder (created; replaced if it exists)")
     p.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
     for name, field in ArithConfig.model_fields.items():
-        if name == "export_dir":
+        if name in CHAT_ONLY:
             continue
         p.add_argument(f"--{name.replace('_', '-')}", type=type(field.default), default=field.default,
                        help=field.description)
