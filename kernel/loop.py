@@ -26,7 +26,7 @@ from .errors import EngineRestarted, MilesError
 from .plugins import MilesPluginManager
 from .protocols import (BuildsBatches, Console, CriticAlgorithm, Distributed, ExactScoring, Exports, ExportsDraft, Mode,
                         OffersTokenizer, Prepares, ReceivesWeights, ScoresBatches, SupportsCritic,
-                        SuppliesSamples, SyncFilter, UsesTokenizer)
+                        SendsPacked, SuppliesSamples, SyncFilter, UsesTokenizer)
 from .protocols import EngineStats, Recorder
 from .rewardclock import StepShare
 from .rollouts import ModeContext, RolloutService
@@ -64,6 +64,21 @@ class SyncView:
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         return ((n, t) for n, t in self._trainer.named_weights() if self._keep(n))
+
+
+class PackedView:
+    """The trainer as a transport sees it when it computes with rounded weights (``SendsPacked``):
+    the engines get those weights packed, the ones the trainer's forward used. Everything else
+    (rank, world size, collectives) is the trainer's."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        return self._trainer.packed_weights()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
 
 
 def initial_model(pm: MilesPluginManager, cfg: Config, path: str) -> None:
@@ -197,6 +212,8 @@ class Loop:
         ``wait=False`` (a training step's push) lets it finish later (``Mode.push``)."""
         c = self.components
         trainer = c.trainer
+        if isinstance(trainer, SendsPacked) and trainer.packed_formats:
+            trainer = PackedView(trainer)
         if isinstance(c.spec, SyncFilter) and self._synced_once:  # LoRA: the base went with the first sync
             trainer = SyncView(trainer, c.spec.sync_filter)
         self._synced_once = True

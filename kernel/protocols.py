@@ -352,6 +352,30 @@ class ExactScoring(Protocol):
     def response_logprobs(self, model: "torch.nn.Module", batch: Batch) -> "torch.Tensor": ...
 
 
+@runtime_checkable
+class SendsPacked(Protocol):
+    """A trainer whose forward computes with rounded weights (``trainer.precision`` fp8 / mxfp8,
+    ``trainer.qat`` int4). ``packed_formats``: ``{weight name: format}`` of those weights (empty:
+    none); ``packed_weights()``: ``named_weights()`` with each of them replaced by the
+    low-precision tensors and scales the engines serve (``miles_lowp.linear.packed`` names them),
+    a collective like ``named_weights``. The loop syncs these when ``packed_formats`` is not empty."""
+
+    packed_formats: dict[str, str]
+
+    def packed_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]: ...
+
+
+@runtime_checkable
+class TrainsInPrecision(Protocol):
+    """Trainer settings with a low-precision format: ``precision`` (``bf16``, ``fp8``, ``mxfp8``),
+    ``qat`` (``int4`` or None) and ``qat_scope`` (``all``, ``experts``). An engine checks its
+    rollout weight format against them (``miles_lowp.pairs``: Miles' supported pairs)."""
+
+    precision: str
+    qat: str | None
+    qat_scope: str
+
+
 # --- transports -----------------------------------------------------------------------------------
 @runtime_checkable
 class WeightSource(Protocol):

@@ -20,6 +20,20 @@ class FSDP2Config(BaseModel):
         "bf16", description="when sharded on CUDA: bf16 = FSDP2 MixedPrecisionPolicy (bf16 compute, "
                             "fp32 master weights and gradient reduce); fp32 or null = full precision. "
                             "Ignored on CPU and by the unsharded world-size-1 path")
+    precision: Literal["bf16", "fp8", "mxfp8"] = Field(
+        "bf16", description="the GEMMs of the linear layers (not the output head): bf16 = the model's "
+        "dtype (with mixed_precision on CUDA); fp8 = blockwise e4m3 in forward and both backward GEMMs "
+        "(1x128 activations, 128x128 weights; torch._scaled_mm on CUDA, emulated with the same rounding on "
+        "CPU); mxfp8 = e4m3 in 32-element blocks with power-of-two E8M0 scales (emulated: Hopper and "
+        "CPUs have no MX tensor cores). Master weights, gradients and optimizer state stay fp32; the "
+        "engines get the rounded weights (engine.weights_dtype must match)")
+    qat: Literal["int4"] | None = Field(
+        None, description="int4: quantization-aware training for INT4 rollout (engine.weights_dtype: int4): "
+        "the forward's weights are rounded to symmetric INT4 with a scale per 128 (straight-through "
+        "gradient) and the engines get them packed")
+    qat_scope: Literal["all", "experts"] = Field(
+        "all", description="with qat: all linear layers but the output head and the MoE expert weights, "
+        "or only the experts (must match engine.quant_scope)")
     lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="AdamW peak learning rate")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")

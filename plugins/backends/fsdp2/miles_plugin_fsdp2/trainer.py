@@ -20,6 +20,8 @@ import torch
 from miles_fastpath.schedule import Tally, lr_lambda, step_or_skip
 from miles_telemetry.flops import for_device, seq_lens
 from miles_fastpath import cpu_gemm
+from miles_lowp.linear import convert as convert_lowp
+from miles_lowp.linear import packed_weights
 from miles_rlmath.logprobs import token_logprobs
 
 from miles import Batch, MilesError
@@ -176,6 +178,9 @@ class FSDP2Trainer:
         return response_logprobs(model, batch, shared, self.gemm)
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        # trainer.precision / trainer.qat: the linear layers compute in that format, over the same
+        # parameters (miles_lowp.linear); the formats say which weights go to the engines packed
+        self.packed_formats = convert_lowp(model, self.cfg.precision, self.cfg.qat, self.cfg.qat_scope)
         model = model.to(self.device)
         if self.sharded:
             dist_.shard(model, self.device, self.cfg.mixed_precision)
@@ -352,6 +357,12 @@ class FSDP2Trainer:
         head = split(self.named_weights())[1]
         if self.rank == 0:
             save_head(head, folder)
+
+    def packed_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named_weights()`` as the engines receive them (``miles.protocols.SendsPacked``): each
+        weight the trainer computes with in a low-precision format replaced by its packed tensors
+        and scales, the same rounding as the forward's."""
+        return packed_weights(self.named_weights(), self.packed_formats)
 
     def _state_items(self) -> list[tuple[str, torch.Tensor]]:
         """The state dict's names with the live parameters and buffers they name, kept: FSDP2
