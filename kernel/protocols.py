@@ -701,6 +701,20 @@ class BuildsMegatron(Protocol):
     def megatron_arch(self, hf_config: Any) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class CarriesMTP(Protocol):
+    """An architecture whose checkpoints carry multi-token-prediction layers that transformers
+    drops when loading: ``attach_mtp(model, folder)`` adds the config's MTP layers to the
+    transformers ``model`` under the checkpoint's own names (so trainer checkpoints, weight sync and
+    export keep them), with their weights from the Hugging Face ``folder`` the model was loaded
+    from (None: an inline config, initialised), and returns them, each with
+    ``predict(hidden, next_ids, rotary) -> (hidden, logits)``: from the main model's last hidden
+    states at position ``i`` and token ``i + 1``, the logits of token ``i + 2`` (``rotary``: the
+    model's rotary embedding module), the step an ``mtp`` speculative-decoding draft runs."""
+
+    def attach_mtp(self, model: "torch.nn.Module", folder: str | None) -> list["torch.nn.Module"]: ...
+
+
 # --- the run, as phases, commands and launchers see it --------------------------------------------
 @runtime_checkable
 class RunContext(Protocol):

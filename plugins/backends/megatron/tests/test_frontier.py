@@ -2,7 +2,7 @@
 megatron trainer, each described by its architecture plugin (``BuildsMegatron``): sigmoid routing
 with a selection-only expert bias, group-limited top-k, shared experts and a dense first layer.
 HF <-> Megatron conversion is bit-exact at TP 1/2 x EP 1/2; log-probs equal transformers' in fp32
-on one rank and on two gloo ranks (TP=2, EP=2 x DP=2), where a step also matches one rank's."""
+on one rank and on two gloo ranks (TP=2, EP=2 x DP=2); at EP=2 a step also matches one rank's."""
 import os
 import subprocess
 import sys
@@ -88,6 +88,8 @@ def test_two_ranks_match_transformers_and_one_rank(two_ranks, megatron_cpu, fami
     ranks = [torch.load(two_ranks / f"{family}_tp{tp}_ep{ep}_rank{r}.pt", weights_only=False) for r in range(2)]
     for r in ranks:
         assert r["export_equal"] and r["lp_diff"] < 1e-5
+    if tp > 1:
+        return  # scored only: megatron-core trains MoE with TP under sequence parallelism alone
     one = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32", lr=1e-3, grad_clip=None),
                           spec=Spec(family), tokenizer=None, seed=0, total_steps=10)
     b = batch(rows=5)

@@ -18,6 +18,14 @@ from miles_tokens.routing import score_weights, sigmoid_moe_megatron
 class DeepseekV3:
     padded_batches = True
 
+    def attach_mtp(self, model: torch.nn.Module, folder: str | None) -> list[torch.nn.Module]:
+        """The checkpoint's MTP layers (``model.layers.<num_hidden_layers + k>``), kept beside the
+        model, with their weights from ``folder`` (None: as initialised)."""
+        from miles_mtp import attach_nextn, nextn_layer
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+        return attach_nextn(model, nextn_layer(m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm), folder)
+
     def megatron_arch(self, hf: Any) -> dict[str, Any]:
         """Multi-latent attention (megatron-core's MLA modules) over sigmoid-routed MoE."""
         from miles import MilesError

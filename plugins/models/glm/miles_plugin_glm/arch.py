@@ -43,6 +43,14 @@ class Glm4Moe(_SigmoidRouted):
     padded_batches = True
     router_class = "Glm4MoeTopkRouter"
 
+    def attach_mtp(self, model: torch.nn.Module, folder: str | None) -> list[torch.nn.Module]:
+        """The checkpoint's MTP layers (``model.layers.<num_hidden_layers + k>``), kept beside the
+        model, with their weights from ``folder`` (None: as initialised)."""
+        from miles_mtp import attach_nextn, nextn_layer
+        from transformers.models.glm4_moe import modeling_glm4_moe as m
+
+        return attach_nextn(model, nextn_layer(m.Glm4MoeDecoderLayer, m.Glm4MoeRMSNorm), folder)
+
     def megatron_arch(self, hf: Any) -> dict[str, Any]:
         """Grouped-query attention (q/k norms optional, RoPE on a fraction of each head) over
         sigmoid-routed MoE with shared experts and dense first layers."""

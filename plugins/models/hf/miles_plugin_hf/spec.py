@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 from miles import MilesError
-from miles.protocols import Architecture
+from miles.protocols import Architecture, CarriesMTP
 
 from .config import HFModelConfig
 
@@ -54,6 +54,16 @@ class HFModelSpec:
         return tok
 
     def build_model(self, tokenizer: Any) -> torch.nn.Module:
+        """The model, with the multi-token-prediction layers its checkpoint carries where its
+        architecture plugin attaches them (``CarriesMTP``; transformers drops them)."""
+        model = self._build(tokenizer)
+        arch = self.architecture()
+        if isinstance(arch, CarriesMTP):
+            from_folder = self.cfg.path is not None and self.cfg.gguf_file is None
+            arch.attach_mtp(model, self.cfg.folder if from_folder else None)
+        return model
+
+    def _build(self, tokenizer: Any) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = getattr(torch, self.cfg.dtype)

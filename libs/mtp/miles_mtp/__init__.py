@@ -1,0 +1,127 @@
+"""Multi-token-prediction (MTP) layers kept beside a Hugging Face causal LM.
+
+DeepSeek-V3 and GLM-4.5 checkpoints store ``num_nextn_predict_layers`` extra layers after the
+decoder's, as ``model.layers.<num_hidden_layers + k>.*``: a decoder layer of the family plus its own
+embedding (``embed_tokens``), RMSNorms of the embedding and the hidden state (``enorm``, ``hnorm``),
+their projection (``eh_proj``) and an output head (``shared_head.norm``, ``shared_head.head``).
+transformers ignores those names when loading (its decoder runs ``layers[:num_hidden_layers]``).
+
+``attach_nextn`` appends them to the model's layer list, so their parameters carry the
+checkpoint's own names through every ``state_dict``: trainer checkpoints, weight sync to engines
+and export keep them (nothing trains them yet: no forward of the model reaches them).
+``load_missing`` reads them from the checkpoint folder's safetensors. A layer's ``predict`` is the
+draft step speculative decoding builds on: from the main model's last hidden states ``h_i`` and
+the tokens ``t_{i+1}`` it returns the next hidden states and the logits of tokens ``t_{i+2}``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def nextn_layer(decoder_cls: type, norm_cls: type) -> type:
+    """The MTP layer class of a family: its ``decoder_cls(config, layer_idx)`` with the nextn
+    modules added (``norm_cls(size, eps=)`` their RMSNorm)."""
+
+    class NextNLayer(decoder_cls):
+        def __init__(self, config: Any, layer_idx: int):
+            super().__init__(config, layer_idx)
+            h, v = config.hidden_size, config.vocab_size
+            self.embed_tokens = torch.nn.Embedding(v, h)
+            self.enorm = norm_cls(h, eps=config.rms_norm_eps)
+            self.hnorm = norm_cls(h, eps=config.rms_norm_eps)
+            self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+            self.shared_head = torch.nn.Module()
+            self.shared_head.norm = norm_cls(h, eps=config.rms_norm_eps)
+            self.shared_head.head = torch.nn.Linear(h, v, bias=False)
+
+        def predict(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            """``hidden`` ``[B, S, H]`` (the main model's last hidden states) and
+            ``next_ids`` ``[B, S]`` (token ``i + 1`` at position ``i``) -> this layer's hidden
+            states and the logits ``[B, S, V]`` of token ``i + 2``; causal over positions 0..S-1
+            (``rotary``: the model's rotary embedding)."""
+            x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], -1))
+            s = x.shape[1]
+            positions = torch.arange(s, device=x.device)[None].expand(x.shape[0], -1)
+            mask = torch.full((s, s), float("-inf"), device=x.device, dtype=x.dtype).triu(1)[None, None]
+            out = super().forward(x, attention_mask=mask, position_ids=positions,
+                                  position_embeddings=rotary(x, positions))
+            out = out[0] if isinstance(out, tuple) else out
+            return out, self.shared_head.head(self.shared_head.norm(out))
+
+    return NextNLayer
+
+
+def attach_nextn(model: torch.nn.Module, layer_cls: type, folder: str | None = None) -> list[torch.nn.Module]:
+    """Append the config's ``num_nextn_predict_layers`` MTP layers to ``model.model.layers`` (in
+    the model's dtype and device) and return them; their weights are read from the Hugging Face
+    ``folder`` the model was loaded from (None, or names it lacks: as ``layer_cls`` initialises them)."""
+    config = model.config
+    first = config.num_hidden_layers
+    param = next(model.parameters())
+    layers = []
+    for k in range(getattr(config, "num_nextn_predict_layers", 0) or 0):
+        layer = layer_cls(config, first + k)
+        with torch.no_grad():  # transformers allocates some weights empty and fills them in post_init
+            for module in layer.modules():
+                model._init_weights(module)
+        layer = layer.to(dtype=param.dtype, device=param.device)
+        model.model.layers.append(layer)
+        layers.append(layer)
+    if layers and folder is not None:
+        load_missing(model, folder, names_of(model, layers))
+    return layers
+
+
+def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MTP layers attached to ``model`` (those past its decoder's), in order."""
+    return list(model.model.layers)[model.config.num_hidden_layers:]
+
+
+def names_of(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[str]:
+    """The state-dict names of ``layers``' tensors in ``model``."""
+    mine = {id(t) for layer in layers for t in layer.state_dict(keep_vars=True).values()}
+    return [k for k, t in model.state_dict(keep_vars=True).items() if id(t) in mine]
+
+
+def load_missing(model: torch.nn.Module, folder: str, names: list[str]) -> list[str]:
+    """Read the tensors ``names`` of ``model``'s state dict from the safetensors of a Hugging Face
+    ``folder`` (one file or an index), copy them in, and return the names found. Experts stored one
+    by one (``experts.<e>.gate_proj/up_proj/down_proj.weight``, as checkpoints and transformers'
+    own ``save_pretrained`` write them) fill the fused ``experts.gate_up_proj`` / ``down_proj``. A
+    name the folder lacks stays as initialised (a checkpoint saved without MTP layers)."""
+    from safetensors import safe_open
+
+    wanted, root = set(names), Path(folder)
+    layers = {n.split(".mlp.", 1)[0] + "." for n in names if ".mlp.experts." in n}
+    def ours(key: str) -> bool:
+        return key in wanted or any(key.startswith(p) for p in layers)
+
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = {root / f for k, f in json.loads(index.read_text())["weight_map"].items() if ours(k)}
+    else:
+        files = {root / "model.safetensors"} if (root / "model.safetensors").exists() else set()
+    stored: dict[str, torch.Tensor] = {}
+    for file in sorted(files):
+        with safe_open(str(file), framework="pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys() if ours(k)})
+    found = {k: stored[k] for k in wanted if k in stored}
+    for name in wanted - set(found):
+        stem, _, kind = name.rpartition("experts.")
+        one = f"{stem}experts.{{}}.{{}}.weight"
+        count = sum(1 for k in stored if k.startswith(stem + "experts.") and k.endswith(".down_proj.weight"))
+        if not count or kind not in ("gate_up_proj", "down_proj"):
+            continue
+        if kind == "gate_up_proj":
+            found[name] = torch.stack([torch.cat([stored[one.format(e, "gate_proj")], stored[one.format(e, "up_proj")]])
+                                       for e in range(count)])
+        else:
+            found[name] = torch.stack([stored[one.format(e, "down_proj")] for e in range(count)])
+    if found:
+        model.load_state_dict(found, strict=False)
+    return sorted(found)

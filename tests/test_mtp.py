@@ -1,0 +1,103 @@
+"""Multi-token-prediction layers of DeepSeek-V3 and GLM-4.5 checkpoints (``CarriesMTP``): the hf
+spec keeps them beside the transformers model under the checkpoint's own names (transformers
+alone drops them), reads them back from a folder, the fsdp2 trainer's checkpoints and weight
+export carry them, and each layer predicts token i+2 causally from hidden state i and token i+1."""
+from __future__ import annotations
+
+import pytest
+import torch
+from miles.protocols import CarriesMTP
+from miles.testing import char_tokenizer
+
+CONFIGS = {
+    "deepseek_v3": {"model_type": "deepseek_v3", "hidden_size": 32, "intermediate_size": 64,
+                    "moe_intermediate_size": 16, "num_hidden_layers": 2, "first_k_dense_replace": 1,
+                    "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4, "n_group": 1,
+                    "topk_group": 1, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "num_nextn_predict_layers": 1,
+                    "max_position_embeddings": 32},
+    "glm4_moe": {"model_type": "glm4_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+                 "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 2,
+                 "num_key_value_heads": 1, "head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                 "num_nextn_predict_layers": 1, "max_position_embeddings": 32},
+}
+MTP = "model.layers.2."  # num_hidden_layers: the checkpoint's own name of the first MTP layer
+
+
+def spec(**kw):
+    from miles_plugin_hf.config import HFModelConfig
+    from miles_plugin_hf.spec import HFModelSpec
+
+    return HFModelSpec(HFModelConfig(**kw))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_mtp_layers_kept_saved_and_read_back(family, tok, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    inline = spec(config=CONFIGS[family])
+    assert isinstance(inline.architecture(), CarriesMTP)
+    torch.manual_seed(0)
+    model = inline.build_model(tok).eval()
+    names = [k for k in model.state_dict() if k.startswith(MTP)]
+    for part in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.head.weight", "embed_tokens.weight",
+                 "self_attn.o_proj.weight", "mlp.gate.weight"):
+        assert MTP + part in names
+    inline.save_pretrained(model.state_dict().items(), tok, str(tmp_path / "m"))
+    # transformers alone drops them ...
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    assert not any(k.startswith(MTP) for k in plain.state_dict())
+    # ... the spec reads them back, and the main model computes as before
+    back = spec(path=str(tmp_path / "m")).build_model(tok).eval()
+    state = back.state_dict()
+    for k in names:
+        assert torch.equal(state[k], model.state_dict()[k]), k
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(back(ids).logits, plain(ids).logits)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_mtp_predicts_token_i_plus_2_causally(family, tok):
+    from miles_mtp import mtp_layers
+
+    torch.manual_seed(0)
+    model = spec(config=CONFIGS[family]).build_model(tok).eval()
+    (layer,) = mtp_layers(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        hidden = model.model(ids[:, :-1]).last_hidden_state
+        _, logits = layer.predict(hidden, ids[:, 1:], model.model.rotary_emb)
+        other = ids[:, 1:].clone()
+        other[0, 3] = 11
+        _, changed = layer.predict(hidden, other, model.model.rotary_emb)
+    assert logits.shape == (1, 5, model.config.vocab_size)
+    assert torch.equal(logits[:, :3], changed[:, :3])  # positions before the change see none of it
+    assert (logits[:, 3:] - changed[:, 3:]).abs().max() > 1e-4
+
+
+def test_fsdp2_checkpoint_and_export_keep_mtp_layers(tok, tmp_path):
+    from miles_plugin_fsdp2.config import FSDP2Config
+    from miles_plugin_fsdp2.trainer import FSDP2Trainer
+
+    s = spec(config=CONFIGS["deepseek_v3"])
+    torch.manual_seed(0)
+    trainer = FSDP2Trainer(FSDP2Config(lr=1e-2, warmup_steps=0), spec=s, tokenizer=tok, seed=0, total_steps=4)
+    weights = {k: v.clone() for k, v in trainer.named_weights()}
+    before = {k: v for k, v in weights.items() if k.startswith(MTP)}
+    assert MTP + "eh_proj.weight" in before
+    with torch.no_grad():  # stand-in for trained MTP weights
+        trainer.load_weights([(k, v + 1 if k in before else v) for k, v in weights.items()])
+    trainer.save(str(tmp_path / "ckpt"))
+    fresh = FSDP2Trainer(FSDP2Config(lr=1e-2, warmup_steps=0), spec=s, tokenizer=tok, seed=1, total_steps=4)
+    fresh.load(str(tmp_path / "ckpt"))
+    after = dict(fresh.named_weights())
+    for k, v in before.items():
+        assert torch.equal(after[k], v + 1), k
+    s.save_pretrained(after.items(), tok, str(tmp_path / "export"))
+    back = spec(path=str(tmp_path / "export")).build_model(tok).state_dict()
+    assert torch.equal(back[MTP + "eh_proj.weight"], before[MTP + "eh_proj.weight"] + 1)
