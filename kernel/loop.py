@@ -181,6 +181,8 @@ class Loop:
         draft = isinstance(c.trainer, ExportsDraft)  # its draft head goes beside the model, not into it
         weights = (c.trainer.model_weights() if draft else c.trainer.named_weights()) if c.trainer is not None \
             else c.spec.build_model(c.tokenizer).state_dict().items()
+        if isinstance(c.trainer, SendsPacked) and c.trainer.packed_formats:  # the weights rollout served
+            weights = c.trainer.served_weights(weights)
         try:  # one shard: transformers' "Writing model shards" progress bar is noise
             from transformers.utils import logging as hf_logging
 

@@ -358,11 +358,14 @@ class SendsPacked(Protocol):
     ``trainer.qat`` int4). ``packed_formats``: ``{weight name: format}`` of those weights (empty:
     none); ``packed_weights()``: ``named_weights()`` with each of them replaced by the
     low-precision tensors and scales the engines serve (``miles_lowp.linear.packed`` names them),
-    a collective like ``named_weights``. The loop syncs these when ``packed_formats`` is not empty."""
+    a collective like ``named_weights``. The loop syncs these when ``packed_formats`` is not empty.
+    ``served_weights(named)``: the given weights with those rounded as the engines serve them, in
+    their own dtype (what ``miles export`` writes)."""
 
     packed_formats: dict[str, str]
 
     def packed_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]: ...
+    def served_weights(self, named: Iterable[tuple[str, "torch.Tensor"]]) -> Iterator[tuple[str, "torch.Tensor"]]: ...
 
 
 @runtime_checkable

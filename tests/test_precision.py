@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from miles.cli import main
 from miles.testing import assert_usage_error, run_module
@@ -33,6 +34,20 @@ def test_matching_formats_keep_rollout_and_training_aligned(tmp_path, pair):
     assert len(steps) == 2
     # the engine computes with the trainer's rounded weights: only the forwards' float32 sums differ
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps), steps
+
+
+def test_export_writes_the_weights_rollout_served(tmp_path):
+    tiny_run(tmp_path, "trainer.qat=int4", "engine.weights_dtype=int4")
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "export")]) == 0
+    from miles_lowp.int4 import qdq_int4
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    q = model.model.layers[0].self_attn.q_proj.weight.detach().float()
+    # plain floats transformers loads, each row one scale times 16 integer levels (INT4 again)
+    assert torch.allclose(qdq_int4(q), q, atol=1e-6)
+    levels = torch.unique(q[0] / q[0].abs().max() * 7).round()
+    assert len(levels) <= 16 and torch.allclose(torch.unique(q[0] / q[0].abs().max() * 7), levels, atol=1e-4)
 
 
 def test_bf16_training_with_fp8_rollout_and_icepop(tmp_path):

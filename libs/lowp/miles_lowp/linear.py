@@ -82,16 +82,20 @@ def lowp_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, fmt: s
     return y if b is None else y + b.to(y.dtype)
 
 
-def rounded(w: torch.Tensor, fmt: str, name: str = "") -> torch.Tensor:
-    """``w`` as a format serves it, with the straight-through gradient (the weight-only path)."""
+def qdq(w: torch.Tensor, fmt: str, name: str = "") -> torch.Tensor:
+    """``w`` rounded to ``fmt`` as the engines serve it, in ``w``'s dtype (no gradient)."""
+    w = w.detach()
     if fmt == "int4":
-        return i4.fake_int4(w)
+        return i4.qdq_int4(w)
     if fmt == "fp8":
         halves = 2 if name.endswith("gate_up_proj") else 1
-        qdq = f8.dequantize_blockwise(*f8.quantize_blockwise(w.detach(), halves=halves), w.dtype, halves=halves)
-    else:
-        qdq = mx.qdq_mx(w.detach())
-    return w + (qdq - w).detach()
+        return f8.dequantize_blockwise(*f8.quantize_blockwise(w, halves=halves), w.dtype, halves=halves)
+    return mx.qdq_mx(w)
+
+
+def rounded(w: torch.Tensor, fmt: str, name: str = "") -> torch.Tensor:
+    """``w`` as a format serves it, with the straight-through gradient (the weight-only path)."""
+    return w + (qdq(w, fmt, name) - w).detach()
 
 
 class LowpLinear(torch.nn.Linear):
@@ -175,6 +179,15 @@ def packed(name: str, w: torch.Tensor, fmt: str) -> list[tuple[str, torch.Tensor
         return [(name, q), (f"{name}_scale_inv", s)]
     q, s = mx.quantize_mx(w.detach())
     return [(name, q), (f"{name}_scale", s)]
+
+
+def served_weights(named: Iterable[tuple[str, torch.Tensor]], formats: dict[str, str]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named`` with each weight listed in ``formats`` rounded as the engines serve it, in its own
+    dtype: a checkpoint any loader reads, holding the very values rollout computed with."""
+    for name, t in named:
+        fmt = formats.get(name)
+        yield name, (qdq(t, fmt, name) if fmt is not None else t)
 
 
 def packed_weights(named: Iterable[tuple[str, torch.Tensor]], formats: dict[str, str]

@@ -21,7 +21,7 @@ from miles_fastpath.schedule import Tally, lr_lambda, step_or_skip
 from miles_telemetry.flops import for_device, seq_lens
 from miles_fastpath import cpu_gemm
 from miles_lowp.linear import convert as convert_lowp
-from miles_lowp.linear import packed_weights
+from miles_lowp.linear import packed_weights, served_weights
 from miles_rlmath.logprobs import token_logprobs
 
 from miles import Batch, MilesError
@@ -363,6 +363,10 @@ class FSDP2Trainer:
         weight the trainer computes with in a low-precision format replaced by its packed tensors
         and scales, the same rounding as the forward's."""
         return packed_weights(self.named_weights(), self.packed_formats)
+
+    def served_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named`` with the weights the forward rounds rounded the same way (``miles export``)."""
+        return served_weights(named, self.packed_formats)
 
     def _state_items(self) -> list[tuple[str, torch.Tensor]]:
         """The state dict's names with the live parameters and buffers they name, kept: FSDP2
