@@ -78,8 +78,20 @@ def attach_nextn(model: torch.nn.Module, layer_cls: type, folder: str | None = N
 
 
 def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The MTP layers attached to ``model`` (those past its decoder's), in order."""
-    return list(model.model.layers)[model.config.num_hidden_layers:]
+    """The MTP layers attached to ``model`` (those past its decoder's), in order; none where
+    ``model`` has no decoder layer list."""
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    config = getattr(model, "config", None)
+    if not isinstance(layers, torch.nn.ModuleList) or config is None:
+        return []
+    return list(layers)[config.num_hidden_layers:]
+
+
+def outside_mtp(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s modules but those of its MTP layers (which no forward of the model runs: the
+    routers routing replay drives, for example)."""
+    skip = {id(m) for layer in mtp_layers(model) for m in layer.modules()}
+    return [m for m in model.modules() if id(m) not in skip]
 
 
 def names_of(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[str]:

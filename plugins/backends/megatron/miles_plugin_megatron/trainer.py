@@ -90,7 +90,12 @@ class MegatronTrainer:
                            spec.megatron_layer_spec if isinstance(spec, EditsMegatronLayers) else None,
                            replay_.spec_edit(self.replay) if self.replay is not None else None)
         self.model, self.compute = self._build(), None
-        self._load_full(convert.hf_to_full(hf_state, self.arch, self.tp))
+        full = convert.hf_to_full(hf_state, self.arch, self.tp)
+        # HF weights Megatron builds nothing for (a checkpoint's multi-token-prediction layers,
+        # kept by the spec): carried unchanged, so weight sync and export keep them
+        built = set(convert.full_to_hf(full, self.arch, self.fused_experts))
+        self.carried = {k: v for k, v in hf_state.items() if k not in built}
+        self._load_full(full)
         del hf, hf_state
         self.model.train()
         dtype = compute_dtype(cfg, self.device, self.pp)
@@ -424,6 +429,7 @@ class MegatronTrainer:
         """HF names and full tensors, a layer at a time (no full-model copy on any rank)."""
         for full in self.full_groups():
             yield from convert.full_to_hf(full, self.arch, self.fused_experts).items()
+        yield from self.carried.items()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors in HF names (the same on every rank); each rank keeps its shards."""
@@ -432,6 +438,7 @@ class MegatronTrainer:
         if unknown:
             raise MilesError(f"load_weights: {unknown[0]!r} is not a weight of this model (expected "
                              f"Hugging Face names such as {self.hf_names[0]!r})")
+        self.carried.update({k: v.detach().cpu() for k, v in named.items() if k in self.carried})
         try:
             full = convert.hf_to_full(named, self.arch, self.tp)
         except KeyError as e:

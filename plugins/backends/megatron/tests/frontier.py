@@ -36,6 +36,7 @@ def hf_model(family: str, seed: int = 0, **over: Any) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**CONFIGS[family], **over}))
+    architecture(family).attach_mtp(model, None)  # as the hf spec does: the MTP layer rides along
     with torch.no_grad():  # transformers starts the selection bias at zero: give it a say
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

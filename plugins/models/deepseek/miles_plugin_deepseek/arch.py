@@ -60,7 +60,9 @@ class DeepseekV3:
     def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-        return [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
+        from miles_mtp import outside_mtp
+
+        return [m for m in outside_mtp(model) if isinstance(m, DeepseekV3TopkRouter)]
 
     def gate_weights(self, router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return score_weights(logits.sigmoid(), indices, router.norm_topk_prob, router.routed_scaling_factor)

@@ -33,7 +33,9 @@ class _SigmoidRouted:
         return _group_problems(config)
 
     def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        return [m for m in model.modules() if type(m).__name__ == self.router_class]
+        from miles_mtp import outside_mtp
+
+        return [m for m in outside_mtp(model) if type(m).__name__ == self.router_class]
 
     def gate_weights(self, router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return score_weights(logits.sigmoid(), indices, router.norm_topk_prob, router.routed_scaling_factor)
