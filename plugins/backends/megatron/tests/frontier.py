@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import helpers
 import torch
 
 _MOE = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3,
@@ -44,14 +45,8 @@ def hf_model(family: str, seed: int = 0, **over: Any) -> torch.nn.Module:
     return model.eval()
 
 
-class Spec:
+class Spec(helpers.Spec):
     """A model spec over an inline config that names its ``Architecture`` (``KnowsArchitecture``)."""
-
-    def __init__(self, family: str, **over: Any):
-        self.family, self.over = family, over
-
-    def build_tokenizer(self, default: Any = None) -> Any:
-        return default
 
     def build_model(self, tokenizer: Any) -> torch.nn.Module:
         return hf_model(self.family, **self.over).train()
