@@ -2,8 +2,9 @@
 
 * ``int4`` (W4A16): each converted weight is held packed, two INT4 values a byte
   (``<weight>_packed`` uint8 ``[..., K/2]``) with one float32 scale per 128 weights of a row
-  (``<weight>_scale``), symmetric, as ``trainer.qat: int4`` rounds them in its forward; the GEMM
-  dequantizes to the activations' dtype (the CPU path; a fused W4A16 kernel is the GPU's job).
+  (``<weight>_scale``), symmetric, as ``trainer.qat: int4`` rounds them in its forward; on CUDA
+  a Triton W4A16 GEMM reads them packed (``w4a16.py``), elsewhere they are dequantized to the
+  activations' dtype first.
 * ``mxfp8``: ``<weight>`` in e4m3 with ``<weight>_scale`` E8M0 bytes per 32 weights of a row; the
   activations are rounded to MXFP8 too and the product taken in float32, exactly as
   ``trainer.precision: mxfp8`` computes (emulated: Hopper and CPUs have no MX tensor cores).
@@ -49,15 +50,23 @@ class _Format:
     def quantize_into(self, attr: str, w: torch.Tensor) -> None:
         self._store(attr, w.to(getattr(self, self._names(attr)[0]).device))
 
-    def dequantized(self, attr: str, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+    def _parts(self, attr: str, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         q, s = (getattr(self, n) for n in self._names(attr))
-        if index is not None:
-            q, s = q[index], s[index]
+        return (q, s) if index is None else (q[index], s[index])
+
+    def dequantized(self, attr: str, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+        q, s = self._parts(attr, index)
         return i4.dequantize_packed(q, s, dtype=dtype) if self.fmt == "int4" else mx.dequantize_mx(q, s, dtype=dtype)
 
     def matmul(self, x: torch.Tensor, attr: str, index: int | None = None) -> torch.Tensor:
         if self.fmt == "mxfp8":  # the activations in MX blocks too, as the trainer's GEMM takes them
             return (mx.qdq_mx(x).float() @ self.dequantized(attr, torch.float32, index).t()).to(x.dtype)
+        if x.is_cuda:  # the fused Triton W4A16 GEMM reads the packed weights (w4a16.py)
+            from .w4a16 import supports, w4a16_linear
+
+            q, s = self._parts(attr, index)
+            if supports(x, q):
+                return w4a16_linear(x, q, s)
         return F.linear(x, self.dequantized(attr, x.dtype, index))
 
 
