@@ -19,7 +19,7 @@ class SpeculativeConfig(pydantic.BaseModel, extra="forbid"):
     model_path: Optional[str] = Field(None, description="draft model: its Hugging Face folder")
     max_batch: Union[int, Literal["auto"]] = Field(
         "auto", description="a generate call of more rows (prompts x n) than this decodes without "
-        "speculation, where the verify forward costs more than the steps it saves; auto: 256 on CPU, "
+        "speculation, where the verify forward costs more than the steps it saves; auto: 16 on CPU, "
         "32 on CUDA")
 
     @model_validator(mode="after")

@@ -31,7 +31,9 @@ from .cuda_graphs import DecodeRunner
 from .engine import _filter
 from .fast import LlamaFamilyForward, _lin
 
-AUTO_MAX_BATCH = {"cpu": 256, "cuda": 32}
+# rows above which a step stops paying: on CPU measured by benchmarks/speculative.py --decode
+# (1.3x at 8 rows, 0.6x at 64); on CUDA SGLang-like small-batch territory until measured there
+AUTO_MAX_BATCH = {"cpu": 16, "cuda": 32}
 
 
 def forward_block(fwd: LlamaFamilyForward, tok: torch.Tensor, pos: torch.Tensor | None,

@@ -1,0 +1,165 @@
+"""Speculative decoding: no draft, a frozen draft head and one trained online, over an RL run.
+
+Runs ``recipes/speculative.yaml`` (the quickstart: a supervised warm start, then GRPO, during
+which the policy drifts from what the warm start taught it) three times with the same seed,
+tasks and token budget: without speculation, with the draft head frozen after the warm start
+(``draft.train=false``; the head learns only on the warm start's demonstrations) and with the
+head trained on every step's rollouts (``draft.train=true``). Printed per quarter of the run:
+rollout tokens/s and the mean acceptance length (tokens a row gains per verify step, the
+bonus token included), then online / frozen in the last quarter.
+
+``--decode``: the engine alone, decode tokens/s with and without speculation at batch 1, 8, 64
+and 256 (greedy, ``--new-tokens`` each), with a head first trained on the model's own greedy
+continuations; ``--device cuda`` runs the 0.5B (Qwen2-0.5B) shape there.
+
+    python benchmarks/speculative.py [--steps 600] [--quick] [--out runs/bench_spec] [--max-batch 4096]
+    python benchmarks/speculative.py --decode [--device cpu|cuda] [--new-tokens 64] [--tokens 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = {"none": ["engine.speculative=null", "draft=null"],
+         "frozen": ["draft.train=false"],
+         "online": ["draft.train=true"]}
+QUICK = ["run.warm_start.max_steps=10", "run.warm_start.min_steps=10", "run.warm_start.batch_size=32",
+         "run.eval_every=1000", "env.eval_size=40", "rollout.batch_size=8"]
+
+
+def run_kind(kind: str, args) -> list[dict]:
+    out = Path(args.out) / kind
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "miles.cli", "train", str(ROOT / "recipes/speculative.yaml"), f"run.out_dir={out}",
+           f"run.steps={args.steps}", f"engine.speculative.max_batch={args.max_batch}", "loggers=[]",
+           *KINDS[kind], *(QUICK if args.quick else [])]
+    if kind == "none":
+        cmd = [c for c in cmd if not c.startswith("engine.speculative.max_batch")]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def quarters(rows: list[dict], key: str) -> list[float | None]:
+    steps = [r for r in rows if r["step"] > 0 and key in r]
+    if not steps:
+        return [None] * 4
+    q = [steps[i * len(steps) // 4:(i + 1) * len(steps) // 4] or steps for i in range(4)]
+    return [sum(r[key] for r in part) / len(part) for part in q]
+
+
+def run_table(args) -> dict:
+    table = {}
+    for kind in KINDS:
+        t0 = time.perf_counter()
+        rows = run_kind(kind, args)
+        evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+        table[kind] = {"tok_s": quarters(rows, "tokens_per_second"), "accept": quarters(rows, "spec_accept_len"),
+                       "eval": (evals[0], evals[-1]), "seconds": time.perf_counter() - t0}
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print(f"{'draft':8} {'rollout tok/s per quarter':>40}   {'accept len per quarter':>28}   eval acc")
+    for kind, t in table.items():
+        print(f"{kind:8} " + " ".join(f"{fmt(v, ',.0f'):>9}" for v in t["tok_s"]) + "   "
+              + " ".join(f"{fmt(v, '.2f'):>6}" for v in t["accept"])
+              + f"   {t['eval'][0]:.3f} -> {t['eval'][1]:.3f}")
+    on, fr = table["online"], table["frozen"]
+    print(f"last quarter online / frozen: tokens/s {on['tok_s'][3] / fr['tok_s'][3]:.2f}x, "
+          f"acceptance length {on['accept'][3] / fr['accept'][3]:.2f}x; speculation / none "
+          f"{on['tok_s'][3] / table['none']['tok_s'][3]:.2f}x")
+    return table
+
+
+SHAPES = {"cpu": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64),
+          "cuda": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, vocab_size=151936)}
+
+
+def decode_table(args) -> None:
+    import torch
+    from miles import Batch, SamplingParams, Sample, Task
+    from miles_draft.config import DraftConfig
+    from miles_draft.train import DraftTraining
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from miles_plugin_torch_engine.config import TorchEngineConfig
+    from miles_plugin_torch_engine.engine import TorchEngine
+
+    class Spec:
+        def build_model(self, tokenizer):
+            return model
+
+    class Tok:
+        eos_token_id, pad_token_id = None, 0
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    cfg = Qwen2Config(**SHAPES[args.device], max_position_embeddings=512, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).to(args.device)
+    base = {"device": args.device, "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32"}
+    plain = TorchEngine(TorchEngineConfig.model_validate(base), spec=Spec(), tokenizer=Tok())
+    greedy = SamplingParams(0.0, 1.0, 0, args.new_tokens, [])
+    g = torch.Generator().manual_seed(1)
+    prompt = lambda: torch.randint(1, cfg.vocab_size, (8,), generator=g).tolist()  # noqa: E731
+    # the head learns the model's own greedy continuations (a random model's text is its policy)
+    train = DraftTraining(DraftConfig(lr=2e-3), model)
+    for _ in range(args.head_steps):
+        prompts = [prompt() for _ in range(32)]
+        comps = plain.generate(prompts, greedy, n=1)
+        samples = [Sample(task=Task(prompt=""), prompt_ids=p, response_ids=c[0].token_ids,
+                          loss_mask=[1] * len(c[0].token_ids)) for p, c in zip(prompts, comps)]
+        metrics = train.step(model, Batch.from_samples(samples, 0).to(args.device))
+    print(f"head trained {args.head_steps} steps: draft_loss {metrics.get('draft_loss', 0):.3f}")
+    spec = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
+        "draft": "head", "tokens": args.tokens, "max_batch": 1 << 20}}), spec=Spec(), tokenizer=Tok())
+    auto = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
+        "draft": "head", "tokens": args.tokens}}), spec=Spec(), tokenizer=Tok())
+    print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'accept len':>11} {'auto':>6}")
+    for b in args.batches:
+        prompts = [prompt() for _ in range(b)]
+        timed = {}
+        for name, engine in (("plain", plain), ("spec", spec), ("auto", auto)):
+            engine.generate(prompts, greedy, n=1)  # warm-up (caches, graphs)
+            engine.step_metrics()
+            times = []
+            for _ in range(args.repeats):  # the median: other processes share the cores
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.generate(prompts, greedy, n=1)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            timed[name] = b * args.new_tokens / sorted(times)[len(times) // 2]
+        accept = spec.step_metrics().get("spec_accept_len", 0.0)
+        print(f"{b:>5} {timed['plain']:>12,.0f} {timed['spec']:>11,.0f} {timed['spec'] / timed['plain']:>8.2f}x "
+              f"{accept:>11.2f} {timed['auto'] / timed['plain']:>5.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--quick", action="store_true", help="a 10-step warm start, 8 prompts a step (tests)")
+    ap.add_argument("--out", default="runs/bench_spec")
+    ap.add_argument("--max-batch", default="4096", help="engine.speculative.max_batch of the drafted runs")
+    ap.add_argument("--decode", action="store_true", help="the engine's decode speed-up per batch size")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=3, help="draft tokens per step")
+    ap.add_argument("--head-steps", type=int, default=150)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if args.decode:
+        decode_table(args)
+    else:
+        run_table(args)
+
+
+if __name__ == "__main__":
+    main()
