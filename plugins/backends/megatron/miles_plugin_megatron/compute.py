@@ -26,6 +26,9 @@ class ComputeCopy:
         if names != [n for n, _ in self.copy.named_parameters()]:
             raise RuntimeError("compute copy: its parameters differ from the policy's")
         self.pairs = list(zip(master.parameters(), self.copy.parameters()))
+        # persistent buffers steer the forward too (e.g. an MoE router's expert bias)
+        mine, kept = dict(self.copy.named_buffers()), set(master.state_dict())
+        self.buffers = [(b, mine[n]) for n, b in master.named_buffers() if n in kept and n in mine]
         for m, c in self.pairs:
             if c.requires_grad:
                 c.register_post_accumulate_grad_hook(partial(_into, m))
@@ -41,6 +44,8 @@ class ComputeCopy:
         if self._stale:
             with torch.no_grad():
                 torch._foreach_copy_([c for _, c in self.pairs], [m for m, _ in self.pairs])
+                for m, c in self.buffers:
+                    c.copy_(m)
             self._stale = False
         return self.copy
 
