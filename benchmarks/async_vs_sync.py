@@ -37,22 +37,28 @@ def miles(*args: str) -> None:
     print(f"  miles {args[0]} ... ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
-def warm_model(work: Path, quick: bool) -> Path:
+def warm_model(work: Path) -> Path:
     """The quickstart's warm start, run once and exported as a Hugging Face folder."""
-    folder = work / ("warm_model_quick" if quick else "warm_model")  # a --quick one is weaker
+    folder = work / "warm_model"
     if folder.is_dir():
         return folder
-    ws = ["run.warm_start.max_steps=150", "run.warm_start.min_steps=100"] if quick else []
-    run = work / ("warm_quick" if quick else "warm")
-    miles("train", "recipes/quickstart.yaml", f"run.out_dir={run}", "run.steps=0", *ws)
+    run = work / "warm"
+    miles("train", "recipes/quickstart.yaml", f"run.out_dir={run}", "run.steps=0")
     miles("export", str(run), "--to", str(folder))
     return folder
 
 
-def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "finish",
+def recipe(model: Path | None, mode: str, steps: int, out: Path, in_flight: str = "finish",
            seed: int = 0, device: str = "cpu") -> Path:
+    """The run's config; ``model`` None (``--quick``): the recipe's own untrained model, a small
+    batch, and every group trained (untrained, nearly every group's rewards are all equal)."""
     cfg = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
-    cfg["model"] = {"name": "hf", "path": str(model)}
+    if model is not None:
+        cfg["model"] = {"name": "hf", "path": str(model)}
+    else:
+        cfg["rollout"]["batch_size"] = 8
+        cfg["env"]["eval_size"] = 20
+        cfg["algorithm"]["filter_zero_variance"] = False
     cfg["run"].pop("warm_start")
     cfg["run"].update(steps=steps, out_dir=str(out), eval_every=steps, checkpoint_every=steps,
                       threads=1, mode=mode, seed=seed)
@@ -60,13 +66,13 @@ def recipe(model: Path, mode: str, steps: int, out: Path, in_flight: str = "fini
     # the recipe's dynamic sampling stays on (groups whose rewards are all equal are dropped and
     # the batch is refilled), so rollout costs about what training does; enough refill rounds that
     # every step of both modes trains exactly batch_size groups (checked in summary())
-    cfg["rollout"].update(max_staleness=1, oversample_rounds=8)
-    if mode == "async":
-        cfg["rollout"]["in_flight"] = in_flight
+    cfg["rollout"]["oversample_rounds"] = 8
+    if mode == "async":  # the async mode's own settings; sync mode refuses them
+        cfg["rollout"].update(max_staleness=1, in_flight=in_flight)
     cfg["launcher"] = {"name": "local", "engines": 1, "engine_threads": 1}
     if device == "cuda":  # the engine on GPU 1, the trainer on GPU 0, weights over NCCL
         cfg["launcher"].update(engine_devices=[1], trainer_devices=[0])
-        cfg["sync"] = {"name": "broadcast"}
+        cfg["transport"] = {"name": "broadcast"}
     cfg["loggers"] = [{"name": "console", "every": 10}]
     path = out.parent / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -114,7 +120,7 @@ def plot(results: dict, path: Path, device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--quick", action="store_true", help="shorter warm start and 12 steps (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="no warm start, 8 groups a step, 2 steps (a smoke run)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "async_vs_sync"))
     ap.add_argument("--in-flight", default="finish", choices=["finish", "resume"],
                     help="async: requests in flight at a weight push finish on the old weights, or "
@@ -126,10 +132,15 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    steps = 12 if args.quick else args.steps
-    print("warm start (once, shared by both runs)")
-    model = warm_model(work, args.quick)
+    steps = 2 if args.quick else args.steps
+    if args.quick:
+        print("--quick: the recipe's untrained model, 8 groups a step")
+    else:
+        print("warm start (once, shared by both runs)")
+    model = None if args.quick else warm_model(work)
     rollout = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())["rollout"]
+    if args.quick:
+        rollout["batch_size"] = 8
     results = {}
     for mode in ("sync", "async"):
         out = work / mode

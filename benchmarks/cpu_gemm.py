@@ -34,7 +34,10 @@ def clock(fn, calls: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="one repeat (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 1
     import torch
     from miles_fastpath import cpu_gemm
 

@@ -38,9 +38,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="8 steps, 1 repeat (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="4 steps, 1 repeat (a smoke run)")
     a = ap.parse_args()
-    steps, repeats = (8, 1) if a.quick else (a.steps, a.repeats)
+    steps, repeats = (4, 1) if a.quick else (a.steps, a.repeats)
     on_steps, off_steps, own, total = [], [], 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):

@@ -84,7 +84,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--image-size", type=int)
+    ap.add_argument("--quick", action="store_true", help="CPU, 4 images, 2 steps, 1 repeat (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.device, args.repeats, args.batch, args.steps = "cpu", 1, 4, 2
     import torch
 
     from miles_plugin_diffusers import text

@@ -116,7 +116,11 @@ def main() -> None:
                     help="CPU: torch threads of both sides (the engine splits its rows among as many "
                          "workers, generate runs its ops on as many intra-op threads)")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (generate: num_return_sequences)")
+    ap.add_argument("--quick", action="store_true", help="CPU, 4 prompts of 8 tokens, 8 new tokens, 1 repeat "
+                    "(a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.device, args.repeats, args.prompts, args.prompt_len, args.new_tokens = "cpu", 1, 4, 8, 8
     import torch
     from miles import SamplingParams
 

@@ -56,7 +56,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="3 steps, 1 round (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.repeat, args.skip = 3, 1, 1
     work = Path(tempfile.mkdtemp(prefix="mlo", dir="/tmp"))  # short: Ray's socket paths are limited
     env = {**os.environ, "HOME": str(work), "RAY_TMPDIR": str(work / "r"), "RAY_AUTH_MODE": "disabled"}
     best: dict[str, tuple[float, float]] = {}

@@ -18,14 +18,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_seed(seed: int, steps: int | None, out: str) -> dict[str, float]:
+def run_seed(seed: int, steps: int | None, out: str, warm: dict[str, int] | None = None) -> dict[str, float]:
     from miles.config import apply_overrides, read_yaml, resolve
     from miles.loop import Loop
     from miles.plugins import make_plugin_manager
     from miles_plugin_sft.demos import demo_samples
-    from miles_plugin_sft.warmstart import trainer_settings
+    from miles_plugin_sft.warmstart import settings, trainer_settings
 
     over = [f"run.seed={seed}", f"run.out_dir={out}/seed{seed}"] + ([f"run.steps={steps}"] if steps else [])
+    over += [f"run.warm_start.{k}={v}" for k, v in (warm or {}).items()]
     pm = make_plugin_manager()
     cfg = resolve(pm, apply_overrides(read_yaml(str(ROOT / "recipes/quickstart.yaml")), over))
     loop = Loop(pm, cfg)
@@ -45,9 +46,9 @@ def run_seed(seed: int, steps: int | None, out: str) -> dict[str, float]:
     rl = loop.evaluate()["eval_accuracy"]
 
     # continued SFT: the warm start's algorithm and trainer settings, from the same weights
-    ws = cfg.run.warm_start
+    ws = settings(cfg.run.warm_start, [])  # run.warm_start as the sft plugin reads it
     algo = pm.create("algorithms", ws.algorithm, None)
-    loop.new_trainer(settings=trainer_settings(cfg, pm, []), algorithm=algo).load_weights(start_weights.items())
+    loop.new_trainer(settings=trainer_settings(cfg, pm, ws, []), algorithm=algo).load_weights(start_weights.items())
     demos, rng = list(p.env.demonstrations()), random.Random(seed)
     t, sft_steps = time.perf_counter(), 0
     while time.perf_counter() - t < rl_seconds:
@@ -66,8 +67,13 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
     ap.add_argument("--out", default="/tmp/miles-bench-quickstart-vs-sft")
+    ap.add_argument("--quick", action="store_true", help="one seed, a 10-step warm start, 2 RL steps (a smoke run)")
     args = ap.parse_args()
-    rows = [run_seed(int(s), args.steps, args.out) for s in args.seeds.split(",")]
+    warm = None
+    if args.quick:
+        args.seeds, args.steps = "0", 2
+        warm = {"max_steps": 10, "min_steps": 0, "eval_every": 5}
+    rows = [run_seed(int(s), args.steps, args.out, warm) for s in args.seeds.split(",")]
     print(f"{'seed':>4} {'warm start':>10} {'step 0':>7} {'GRPO':>6} {'SFT':>6} {'GRPO gain':>9} "
           f"{'SFT gain':>8}  time per arm")
     for r in rows:

@@ -115,7 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--only", choices=["megatron", "fsdp2"], default=None)
     ap.add_argument("--compile", action="store_true", help="both with trainer.compile (compiled decoder layers)")
+    ap.add_argument("--quick", action="store_true", help="tiny shape, 4 rows of 32 tokens, 1 step; without a GPU "
+                    "fsdp2 on the CPU only (megatron-core's forward needs CUDA) (a smoke run)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.shape, args.samples, args.seq, args.prompt, args.micro, args.steps = "tiny", 4, 32, 8, 2, 1
+        if not torch.cuda.is_available():
+            args.device, args.only = "cpu", "fsdp2"
     shape = QWEN2_05B if args.shape == "qwen2-0.5b" else TINY
     spec, batch = Spec(shape, args.seq), make_batch(args.samples, args.seq, args.prompt, shape["vocab_size"])
     tokens = args.samples * args.seq

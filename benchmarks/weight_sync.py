@@ -269,7 +269,10 @@ def main() -> None:
                     "(tensor, broadcast, disk, p2p)")
     ap.add_argument("--shape", choices=["qwen2-0.5b"], default=None, help="a real model shape instead of --mb")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--quick", action="store_true", help="4 MiB, 1 round, CPU (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.mb, args.repeat, args.device, args.shape = 4, 1, "cpu", None
     torch.set_num_threads(1)
     from miles.testing import char_tokenizer
     from miles_wire.testing import EngineProcess
