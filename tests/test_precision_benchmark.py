@@ -15,9 +15,11 @@ def test_quick_table():
         label, nums = line[:18].strip(), [float(x) for x in line[18:].split()]
         rows[label] = dict(zip(["mean", "max", "kl", "rollout_tps", "train_tps"], nums))
     assert set(rows) == {"bf16 / bf16", "bf16 / fp8", "fp8 / fp8", "int4 QAT / int4", "mxfp8 / mxfp8"}
-    # matching formats: the engine computes with the trainer's rounded weights (float32 sums apart)
+    # matching formats: the engine computes with the trainer's rounded weights (float32 sums apart;
+    # where activations are rounded too, such a difference can move one across an e4m3 rounding
+    # boundary now and then, so the largest token difference is looser than the mean)
     for pair in ("bf16 / bf16", "fp8 / fp8", "int4 QAT / int4", "mxfp8 / mxfp8"):
-        assert rows[pair]["max"] < 1e-4 and rows[pair]["kl"] < 1e-8, (pair, rows[pair])
+        assert rows[pair]["mean"] < 1e-5 and rows[pair]["max"] < 1e-3 and rows[pair]["kl"] < 1e-8, (pair, rows[pair])
     # bf16 training with fp8 rollout: the engine's rounding is a real mismatch, orders larger
     assert rows["bf16 / fp8"]["mean"] > 100 * rows["bf16 / bf16"]["mean"] and rows["bf16 / fp8"]["kl"] > 0
     assert all(r["rollout_tps"] > 0 and r["train_tps"] > 0 for r in rows.values())
