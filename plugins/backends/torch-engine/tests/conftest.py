@@ -1,4 +1,4 @@
-"""Fixtures of the server tests (a module that defines its own ``engine`` keeps it)."""
+"""Fixtures of the engine tests (a module that defines its own ``engine`` keeps it)."""
 import pytest
 import torch
 from miles.testing import TinySpec, char_tokenizer
@@ -13,4 +13,14 @@ def engine():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield TorchEngine(TorchEngineConfig(), spec=TinySpec(), tokenizer=char_tokenizer(), seed=0)
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread: tiny GEMMs gain nothing from more, and OpenMP spin-waits make them
+    far slower when another process holds a core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
     torch.set_num_threads(before)

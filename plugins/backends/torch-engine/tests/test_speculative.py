@@ -15,6 +15,7 @@ from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine, _filter
 
 VOCAB, STEPS, PROMPT = 6, 3, [1, 2, 3]
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class _Spec:
@@ -42,15 +43,6 @@ def _model(seed: int, vocab: int = VOCAB, hidden: int = 32) -> Qwen2ForCausalLM:
 def _engine(model, speculative=None, **kw) -> TorchEngine:
     cfg = TorchEngineConfig.model_validate({**kw, **({"speculative": speculative} if speculative else {})})
     return TorchEngine(cfg, spec=_Spec(model), tokenizer=_Tok(), seed=1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny GEMMs: one intra-op thread is faster and leaves the other core to the next test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
