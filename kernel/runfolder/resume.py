@@ -65,7 +65,10 @@ def check_resume(out_dir: str, resolved: dict[str, Any], steps: int) -> tuple[st
         # a key the old file lacks may be a default a later miles added: only a new component name counts
         changed += [(k, "(absent)", after[k]) for k in sorted(after.keys() - before.keys())
                     if _under(k, MEANING) and k.endswith(".name")]
-    refused = [c for c in changed if _under(c[0], MEANING)]
+    # a step-0 checkpoint holds the initial (possibly warm-started) policy that no RL algorithm has
+    # trained yet: starting RL from it with another algorithm changes nothing it means
+    meaning = tuple(k for k in MEANING if not (done[-1] == 0 and k == "algorithm.name"))
+    refused = [c for c in changed if _under(c[0], meaning)]
     if refused:
         lines = "\n".join(f"  - {k}: {a!r:.80} -> {b!r:.80}" for k, a, b in refused)
         raise MilesError(f"{out_dir} holds a checkpoint at step {done[-1]} trained under other settings; "

@@ -121,6 +121,15 @@ def peak_tflops(device: str, precision: str = "bf16", override: float | None = N
     return None
 
 
+# the per-step metrics that depend on wall-clock time (two identical steps differ in them)
+TIMED = frozenset({"tokens_per_gpu_per_s", "train_tflops_per_gpu", "mfu"})
+
+
+def untimed(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` without the wall-clock ones, to compare two steps that must compute the same."""
+    return {k: v for k, v in metrics.items() if k not in TIMED}
+
+
 class Throughput:
     """A trainer's per-step throughput: ``metrics(seq_lens, seconds)`` gives ``train_tokens``,
     ``tokens_per_gpu_per_s``, ``train_tflops_per_gpu`` and (when the peak is known) ``mfu``.

@@ -3,6 +3,7 @@
 that capture which experts each router used."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -66,17 +67,22 @@ class MegatronRouting:
 
 
 class HFRouting:
-    """The same for the Hugging Face model of the ``moe`` spec (its replayable routers return
-    ``(logits, weights, index)``), on the batch's left-padded rows."""
+    """The same for the Hugging Face model of the ``moe`` spec (the routers its replay hooks
+    return ``(logits, weights, index)``), on the batch's left-padded rows. Registered after the
+    replay hook, this one sees the replayed experts."""
 
     def __init__(self, model: torch.nn.Module, rows: int, experts: int):
-        gates = [m for m in model.modules() if type(m).__name__ == "ReplayRouter"]
-        self.rows, self.experts, self.maps = rows, experts, {}
-        self.handles = [g.register_forward_hook(self._hook) for g in gates]
+        from miles_plugin_moe.router import RouterHook
 
-    def _hook(self, module: Any, args: Any, out: Any) -> None:
+        self.rows, self.experts, self.maps, self.handles = rows, experts, {}, []
+        for m in model.modules():
+            layers = [h.layer for h in m._forward_hooks.values() if isinstance(h, RouterHook)]
+            if layers:
+                self.handles.append(m.register_forward_hook(functools.partial(self._hook, layers[0])))
+
+    def _hook(self, layer: int, module: Any, args: Any, out: Any) -> None:
         index = out[2].detach().cpu()  # [B * W, k], row-major
-        self.maps[module.layer] = as_sets(index, self.experts).view(self.rows, -1, self.experts)
+        self.maps[layer] = as_sets(index, self.experts).view(self.rows, -1, self.experts)
 
     def close(self) -> None:
         for h in self.handles:
