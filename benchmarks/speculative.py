@@ -12,7 +12,8 @@ bonus token included), then online / frozen in the last quarter.
 and 256 (greedy, ``--new-tokens`` each), with a head first trained on the model's own greedy
 continuations; ``--device cuda`` runs the 0.5B (Qwen2-0.5B) shape there.
 
-    python benchmarks/speculative.py [--steps 600] [--quick] [--out runs/bench_spec] [--max-batch 4096]
+    python benchmarks/speculative.py [--steps 600] [--warm-start N] [--quick] [--out runs/bench_spec]
+                                     [--max-batch 4096]
     python benchmarks/speculative.py --decode [--device cpu|cuda] [--new-tokens 64] [--tokens 3]
 """
 from __future__ import annotations
@@ -38,7 +39,9 @@ def run_kind(kind: str, args) -> list[dict]:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "miles.cli", "train", str(ROOT / "recipes/speculative.yaml"), f"run.out_dir={out}",
            f"run.steps={args.steps}", f"engine.speculative.max_batch={args.max_batch}", "loggers=[]",
-           *KINDS[kind], *(QUICK if args.quick else [])]
+           *KINDS[kind], *(QUICK if args.quick else []),
+           *([f"run.warm_start.max_steps={args.warm_start}", f"run.warm_start.min_steps={args.warm_start}"]
+             if args.warm_start else [])]
     if kind == "none":
         cmd = [c for c in cmd if not c.startswith("engine.speculative.max_batch")]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -146,6 +149,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--quick", action="store_true", help="a 10-step warm start, 8 prompts a step (tests)")
     ap.add_argument("--out", default="runs/bench_spec")
+    ap.add_argument("--warm-start", type=int, default=None, help="warm-start steps (default: the recipe's 600)")
     ap.add_argument("--max-batch", default="4096", help="engine.speculative.max_batch of the drafted runs")
     ap.add_argument("--decode", action="store_true", help="the engine's decode speed-up per batch size")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -53,7 +53,8 @@ def attach(model: nn.Module) -> DraftHead:
         return head
     cfg = model.config
     ref = model.get_output_embeddings().weight
-    head = DraftHead(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "rms_norm_eps", 1e-6))
+    with torch.random.fork_rng(devices=[]):  # the run's own random stream stays as without a draft
+        head = DraftHead(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "rms_norm_eps", 1e-6))
     head = head.to(device=ref.device, dtype=ref.dtype)
     model.add_module(NAME, head)
     return head
