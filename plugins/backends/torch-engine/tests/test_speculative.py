@@ -173,3 +173,37 @@ def test_above_max_batch_the_plain_path_runs_and_weights_reach_the_head(target):
     new = torch.full_like(head.fc.weight, 0.5)
     engine.load_weights([("draft_head.fc.weight", new)], version=3)
     assert torch.equal(head.fc.weight, new)
+
+
+def test_miles_serve_app_generates_through_the_speculative_engine():
+    """``/generate`` of ``miles serve``'s app on a speculative engine: the plain engine's greedy
+    tokens and log-probs, the acceptance counted."""
+    import asyncio
+
+    import httpx
+    from miles.testing import TinySpec, char_tokenizer
+
+    from miles_plugin_torch_engine.scheduler import Scheduler
+    from miles_plugin_torch_engine.server import build_app
+
+    tok = char_tokenizer()
+    spec = TorchEngine(TorchEngineConfig.model_validate({"speculative": {"draft": "head", "tokens": 2}}),
+                       spec=TinySpec(), tokenizer=tok, seed=0)
+    plain = TorchEngine(TorchEngineConfig(), spec=TinySpec(), tokenizer=tok, seed=0)
+    scheduler = Scheduler(spec)
+    app = build_app(spec, scheduler, model_dir="mem")
+    body = {"input_ids": [2, 5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+            "return_logprob": True}
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/generate", json=body)
+
+    try:
+        r = asyncio.run(post())
+    finally:
+        scheduler.stop()
+    assert r.status_code == 200, r.text
+    want = plain.generate([[2, 5, 6]], SamplingParams(0.0, 1.0, 0, 8, [tok.eos_token_id]))[0][0]
+    assert r.json()["output_ids"] == want.token_ids
+    assert "spec_accept_len" in spec.step_metrics()
