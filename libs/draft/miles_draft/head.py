@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import PREFIX
 
@@ -71,6 +72,4 @@ def embed(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def _full(w: torch.Tensor) -> torch.Tensor:
     """A sharded (FSDP2 DTensor) weight gathered whole; a plain one as it is."""
-    from torch.distributed.tensor import DTensor
-
     return w.full_tensor() if isinstance(w, DTensor) else w

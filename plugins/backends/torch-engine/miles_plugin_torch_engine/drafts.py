@@ -16,7 +16,7 @@ from miles import ConfigError
 from miles_draft.head import attach, embed, head_logits
 
 from .fast import LlamaFamilyForward, unsupported_reason
-from .speculative import draw, forward_block, lm_logits, sampling_probs
+from .speculative import forward_block, lm_logits, propose_token
 
 
 class HeadDrafter:
@@ -46,15 +46,15 @@ class HeadDrafter:
 
     def propose(self, live: int, last: torch.Tensor, pos: torch.Tensor, k: int, params: Any,
                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k`` drafts per row ``[live, k]`` and the distributions they were drawn from ``[live, k, V]``."""
+        """``k`` drafts per row ``[live, k]`` and the distributions they were drawn from ``[live, k, V]``
+        (None at temperature 0)."""
         feature, tok, drafts, qs = self.feat[:live], last, [], []
         for _ in range(k):
             feature = self.head(feature, embed(self.model, tok))
-            q = sampling_probs(head_logits(self.model, feature), params)
-            tok = draw(q, gen)
+            tok, q = propose_token(head_logits(self.model, feature), params, gen)
             drafts.append(tok)
             qs.append(q)
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        return torch.stack(drafts, 1), None if qs[0] is None else torch.stack(qs, 1)
 
 
 class ModelDrafter:
@@ -100,13 +100,12 @@ class ModelDrafter:
         hidden = forward_block(self.fwd, torch.stack([self.prev[:live], last], 1), pos - 1)[:, -1]
         drafts, qs = [], []
         for i in range(k):
-            q = sampling_probs(lm_logits(self.fwd, hidden), params)
-            tok = draw(q, gen)
+            tok, q = propose_token(lm_logits(self.fwd, hidden), params, gen)
             drafts.append(tok)
             qs.append(q)
             if i + 1 < k:
                 hidden = forward_block(self.fwd, tok[:, None], pos + i + 1)[:, 0]
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        return torch.stack(drafts, 1), None if qs[0] is None else torch.stack(qs, 1)
 
 
 def make_drafter(spec: Any, model: torch.nn.Module, cfg: Any) -> HeadDrafter | ModelDrafter:

@@ -87,6 +87,15 @@ def sampling_probs(logits: torch.Tensor, params: Any) -> torch.Tensor:
     return logp.exp()
 
 
+def propose_token(logits: torch.Tensor, params: Any, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft token per row and the distribution it was drawn from (None at temperature 0: the
+    argmax, which ``verify`` checks against the target's argmax without distributions)."""
+    if params.temperature <= 0:
+        return logits.argmax(-1), None
+    q = sampling_probs(logits, params)
+    return draw(q, gen), q
+
+
 def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """One token per row of ``probs [..., V]`` (inverse CDF; a zero-probability token never wins)."""
     cdf = probs.cumsum(-1)
@@ -94,12 +103,20 @@ def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+def verify(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling of ``drafts [B, k]`` (drawn from ``q [B, k, V]``) against the target's
     ``p [B, k + 1, V]``: the ``k + 1`` candidate tokens (accepted drafts, then the corrected or bonus
-    token at index ``a``) and ``a [B]``, the number of drafts accepted."""
+    token at index ``a``) and ``a [B]``, the number of drafts accepted. ``q`` None: greedy (``p``
+    then holds the target's logits), drafts pass while they are the target's argmax."""
     B, k = drafts.shape
+    if q is None:
+        best = p.argmax(-1)
+        accepted = (drafts == best[:, :k]).long().cumprod(dim=1).sum(dim=1)
+        out = torch.cat([drafts, best[:, -1:]], dim=1)
+        rows = torch.arange(B, device=p.device)
+        out[rows, accepted] = best[rows, accepted]
+        return out, accepted
     pd = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     qd = q.gather(-1, drafts[..., None]).squeeze(-1)
     u = torch.rand((B, k), generator=gen, device=p.device)
@@ -186,7 +203,7 @@ class SpecGenerator(FastGenerator):
         drafts, q = self.drafter.propose(live, last, pos, k, params, self.gen)
         hidden = forward_block(self.fwd, torch.cat([last[:, None], drafts], dim=1), pos)
         logits = lm_logits(self.fwd, hidden).float()
-        tokens, accepted = verify(sampling_probs(logits, params), q, drafts, self.gen)
+        tokens, accepted = verify(logits if q is None else sampling_probs(logits, params), q, drafts, self.gen)
         temp = params.temperature if params.temperature > 0 else 1.0
         logps = torch.log_softmax(logits / temp, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
         # emitted: up to the first rejection, the first stop token and the row's token budget
