@@ -62,12 +62,13 @@ def attach(model: nn.Module) -> DraftHead:
 
 
 def head_logits(model: nn.Module, feature: torch.Tensor) -> torch.Tensor:
-    """Logits of a head output feature through the target's LM head."""
-    return F.linear(feature, _full(model.get_output_embeddings().weight))
+    """Logits of a head output feature through the target's LM head (detached: the head's loss
+    must leave no gradient on the policy's weights)."""
+    return F.linear(feature, _full(model.get_output_embeddings().weight).detach())
 
 
 def embed(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return F.embedding(ids, _full(model.get_input_embeddings().weight))
+    return F.embedding(ids, _full(model.get_input_embeddings().weight).detach())
 
 
 def _full(w: torch.Tensor) -> torch.Tensor:
