@@ -22,12 +22,36 @@ def _after_hashes(text: str) -> str:
     return tail.splitlines()[0] if tail else text
 
 
+def _left_to_evaluate(expr: Any) -> bool:
+    """Whether a parsed answer still holds arithmetic (a sum, a product of numbers, a power) rather
+    than one number, a fraction, a negative or a percentage."""
+    import sympy
+
+    for node in sympy.preorder_traversal(expr):
+        if isinstance(node, sympy.Add):
+            return True
+        if isinstance(node, sympy.Mul):
+            unit = [a for a in node.args if not (a == -1 or (isinstance(a, sympy.Pow) and a.exp == -1)
+                                                 or (isinstance(a, sympy.Rational) and a.p == 1))]
+            if len(unit) > 1:
+                return True
+        if isinstance(node, sympy.Pow) and node.exp != -1:
+            return True
+    return False
+
+
 def _canonical(value: Any) -> str:
     """A parsed answer as text for majority voting: numbers by value (0.5 and 1/2 alike)."""
     try:
         return format(float(value), ".6g")
     except (TypeError, ValueError):
         return str(value)
+
+
+def _is_number(expr: Any) -> bool:
+    import sympy
+
+    return isinstance(expr, sympy.Number)
 
 
 class MathReward:
@@ -68,5 +92,7 @@ class MathReward:
         got = self.parse(response)
         ok = bool(gold and got) and self._mv.verify(gold, got, float_rounding=self.cfg.float_rounding,
                                                     timeout_seconds=self._timeout())
+        if ok and self.cfg.numbers_only and _is_number(gold[0]) and _left_to_evaluate(got[0]):
+            ok = False
         return RewardResult(float(ok), {"math_extract_failed": float(not got), "math_label_failed": float(not gold)},
                             _canonical(got[0]) if got else None)

@@ -13,6 +13,9 @@ class MathSettings(_Strict):
     timeout_s: int = Field(5, ge=0, description="seconds math-verify may spend parsing or comparing one answer "
                            "(signal-based, so only on the main thread; 0: no limit)")
     float_rounding: int = Field(6, ge=0, description="decimal places numbers are rounded to before comparing")
+    numbers_only: bool = Field(True, description="a numeric label needs a number as the answer, not arithmetic "
+                               "left to do: '59 + 63' or '3 \\cdot 4' scores 0 against 122 (math-verify would "
+                               "evaluate it, and RL learns to copy the question); fractions and negatives count")
 
 
 class ExactSettings(_Strict):

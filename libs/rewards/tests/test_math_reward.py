@@ -36,6 +36,15 @@ def test_wrong_answers_score_zero(math, response, label):
     assert math(response, label).score == 0.0
 
 
+@pytest.mark.parametrize("response", ["The sum is 59 + 63 = ", "\\boxed{59 + 63}", "$61 \\cdot 2$", "\\boxed{11^2 + 1}"])
+def test_arithmetic_left_to_do_is_no_number(math, response):
+    """math-verify evaluates '59 + 63' to 122: copying the question must not score against a number."""
+    assert math(response, "122").score == 0.0
+    assert make_reward("math", {"numbers_only": False})(response, "122").score == 1.0
+    assert math("so the answer is \\boxed{122}", "122").score == 1.0
+    assert math("\\boxed{-\\frac{3}{4}}", "-0.75").score == 1.0
+
+
 def test_failures_are_reported_as_metrics(math):
     none = math("I cannot solve this.", "3")
     assert none.score == 0.0 and none.metrics["math_extract_failed"] == 1.0
