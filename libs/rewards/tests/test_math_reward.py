@@ -36,7 +36,8 @@ def test_wrong_answers_score_zero(math, response, label):
     assert math(response, label).score == 0.0
 
 
-@pytest.mark.parametrize("response", ["The sum is 59 + 63 = ", "\\boxed{59 + 63}", "$61 \\cdot 2$", "\\boxed{11^2 + 1}"])
+@pytest.mark.parametrize("response", ["The sum is 59 + 63 = ", "\\boxed{59 + 63}", "$61 \\cdot 2$",
+                                      "\\boxed{11^2 + 1}"])
 def test_arithmetic_left_to_do_is_no_number(math, response):
     """math-verify evaluates '59 + 63' to 122: copying the question must not score against a number."""
     assert math(response, "122").score == 0.0
