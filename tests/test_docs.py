@@ -60,7 +60,7 @@ def test_every_recipe_the_readme_names_exists():
 
 def test_readme_is_short():
     n = len(README.read_text(encoding="utf-8").splitlines())
-    assert n <= 260, f"README.md has {n} lines; keep it at most 260 (figures go to benchmarks/RESULTS.md)"
+    assert n <= 300, f"README.md has {n} lines; keep it at most 300 (figures go to benchmarks/RESULTS.md)"
 
 
 def test_history_pattern_matches_what_it_should():
