@@ -19,6 +19,7 @@ def scripts(tmp: Path) -> dict[str, tuple[list[str], str]]:
     """script -> (extra arguments, the text its figure line holds). Output folders go to ``tmp``."""
     return {
         "async_vs_sync": (["--out", str(tmp / "async")], "async_vs_sync samples/s ratio"),
+        "architectures": ([], "architectures: 3/3 families measured"),
         "cpu_gemm": ([], "weight gradient (MKL)"),
         "dashboard_overhead": ([], "ratio on/off:"),
         "diffusion_sampling": ([], "diffusion_sampling images/s ratio"),
