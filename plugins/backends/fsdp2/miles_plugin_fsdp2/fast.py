@@ -57,7 +57,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why this path cannot run ``model`` as its own forward would (None: it can)."""
     if model.training and getattr(model.config, "attention_dropout", 0.0):
         return "attention dropout"
-    if any(hasattr(layer.self_attn, "q_norm") for layer in getattr(getattr(model, "model", None), "layers", [])):
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    # a linear-attention layer (Qwen3-Next's gated DeltaNet) has no self_attn: the layout check refuses it
+    if any(hasattr(getattr(layer, "self_attn", None), "q_norm") for layer in layers):
         return "q/k norms (Qwen3)"
     return llama_layout_problem(model, SUPPORTED)
 

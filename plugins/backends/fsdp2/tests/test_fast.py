@@ -114,3 +114,16 @@ def test_refuses_what_it_does_not_compute():
     m = _model()
     m.model.layers[1].mlp.up_proj = torch.nn.Sequential(m.model.layers[1].mlp.up_proj)
     assert "not nn.Linear" in fast.unsupported_reason(m)
+
+
+def test_refuses_linear_attention_layers_without_failing():
+    """Qwen3-Next's gated DeltaNet layers have no ``self_attn``: the check names a reason instead of raising."""
+    import transformers
+
+    cfg = transformers.Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                       layer_types=["linear_attention", "full_attention"])
+    assert fast.unsupported_reason(transformers.Qwen3NextForCausalLM(cfg)) is not None
