@@ -4,9 +4,9 @@ each (``weight ≈ fp8 * weight_scale_inv``, Hugging Face's naming), activations
 
 A GEMM ``a @ b.T`` whose operands are both quantized along the reduction dimension in groups of
 ``block`` (a 128x128 weight block is, row by row, such a group with the block's scale) is
-:func:`grouped_mm`: on CUDA one ``torch._scaled_mm`` per group with rowwise scales, summed in
-float32; emulated (CPUs, or on request) it dequantizes both operands and multiplies in float32:
-the same products, summed in another order.
+:func:`grouped_mm`: on CUDA one blockwise-scaled ``torch._scaled_mm`` (or, where cuBLAS lacks
+that, one rowwise-scaled GEMM per group, summed in float32); emulated (CPUs, or on request) it
+dequantizes both operands and multiplies in float32: the same products, summed in another order.
 """
 from __future__ import annotations
 
@@ -81,15 +81,47 @@ def block_row_scales(scale_inv: torch.Tensor, rows: int, block: int = BLOCK) -> 
 
 
 def grouped_mm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, block: int = BLOCK,
-               emulate: bool | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               emulate: bool | None = None, out_dtype: torch.dtype = torch.float32,
+               sb_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b.T`` for ``a = aq [M, K] * sa [M, G]`` and ``b = bq [N, K] * sb [N, G]``, both fp8 in
-    groups of ``block`` along ``K``. ``emulate`` (default: not on CUDA) dequantizes and multiplies
-    in float32; else one ``torch._scaled_mm`` per group, summed in float32."""
+    groups of ``block`` along ``K`` (``sb_blocks``: ``b``'s 128x128 block scales, when it has them).
+    ``emulate`` (default: not on CUDA) dequantizes and multiplies in float32; on CUDA one
+    blockwise-scaled ``torch._scaled_mm`` where cuBLAS has it (Hopper, CUDA >= 12.9), else one
+    rowwise-scaled GEMM per group, summed in float32."""
     if emulate is None:
         emulate = not aq.is_cuda
     if emulate:
         return (dequantize_groups(aq, sa, block) @ dequantize_groups(bq, sb, block).t()).to(out_dtype)
+    if block == BLOCK and aq.is_cuda and _BLOCKWISE.get(aq.device.index, True):
+        try:
+            return _blockwise(aq, sa, bq, sb, sb_blocks).to(out_dtype)
+        except RuntimeError:  # this torch / cuBLAS has no blockwise scaling: the group loop
+            _BLOCKWISE[aq.device.index] = False
     return _scaled_groups(aq, sa, bq, sb, block).to(out_dtype)
+
+
+_BLOCKWISE: dict[int | None, bool] = {}
+
+
+def _blockwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
+               sb_blocks: torch.Tensor | None) -> torch.Tensor:
+    """One cuBLAS GEMM with DeepSeek-V3's scaling: ``a`` in 1x128 groups (scales ``[M, G]``,
+    column-major), ``b`` in 128x128 blocks (scales ``[G, N/128]``, column-major) or 1x128 groups
+    (``[G, N]``, row-major). ``K`` and ``N`` are zero-padded to what cuBLAS takes (K to whole
+    groups, N and M to multiples of 16); the padded outputs are dropped."""
+    (M, K), N = aq.shape, bq.shape[0]
+    G, Mp, Np = -(-K // BLOCK), -(-M // 16) * 16, -(-N // 16) * 16
+
+    def pad(q: torch.Tensor, rows: int) -> torch.Tensor:  # 0 is e4m3's +0.0
+        return F.pad(q.view(torch.uint8), (0, G * BLOCK - K, 0, rows - q.shape[0])).view(torch.float8_e4m3fn)
+
+    scale_a = F.pad(sa.float(), (0, 0, 0, Mp - M), value=1.0).t().contiguous().t()
+    if sb_blocks is not None:
+        scale_b = sb_blocks.float().contiguous().t()
+    else:
+        scale_b = F.pad(sb.float(), (0, 0, 0, Np - N), value=1.0).t().contiguous()
+    out = torch._scaled_mm(pad(aq, Mp), pad(bq, Np).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    return out[:M, :N].float()
 
 
 def _scaled_groups(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
@@ -144,5 +176,6 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block:
     quantized per token and ``block``-column group, then :func:`grouped_mm` (``torch._scaled_mm``
     unless ``emulate``)."""
     xq, sx = quantize_groups(x, block)
-    out = grouped_mm(xq, sx, q, block_row_scales(scale_inv, q.shape[0], block), block, emulate)
+    out = grouped_mm(xq, sx, q, block_row_scales(scale_inv, q.shape[0], block), block, emulate,
+                     sb_blocks=scale_inv if block == BLOCK else None)
     return out.to(x.dtype)

@@ -28,27 +28,29 @@ from . import mx
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def _act(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """An operand quantized in groups along its last (reduction) dimension: ``(q, scale, block)``."""
+def _act(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, int, None]:
+    """An operand quantized in groups along its last (reduction) dimension: ``(q, scale, block,
+    None)`` (no 128x128 block scales)."""
     if fmt == "fp8":
-        return (*f8.quantize_groups(x, f8.BLOCK), f8.BLOCK)
+        return (*f8.quantize_groups(x, f8.BLOCK), f8.BLOCK, None)
     q, biased = mx.quantize_mx(x)
-    return q, mx.scales(biased), mx.MX_BLOCK
+    return q, mx.scales(biased), mx.MX_BLOCK, None
 
 
-def _weight(w: torch.Tensor, fmt: str, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The weight (or its transpose) as a grouped operand: fp8 keeps its 128x128 blocks either way."""
+def _weight(w: torch.Tensor, fmt: str, transposed: bool = False) -> tuple:
+    """The weight (or its transpose) as a grouped operand: fp8 keeps its 128x128 blocks either way
+    (and passes their scales on, for cuBLAS' blockwise GEMM)."""
     if fmt == "fp8":
         q, s = f8.quantize_blockwise(w)
         if transposed:
             q, s = q.t(), s.t()
-        return q.contiguous(), f8.block_row_scales(s, q.shape[0]), f8.BLOCK
+        return q.contiguous(), f8.block_row_scales(s, q.shape[0]), f8.BLOCK, s
     return _act(w.t() if transposed else w, fmt)
 
 
 def _gemm(a: tuple, b: tuple, emulate: bool) -> torch.Tensor:
-    (aq, sa, block), (bq, sb, _) = a, b
-    return f8.grouped_mm(aq, sa, bq, sb, block, emulate=emulate)
+    (aq, sa, block, _), (bq, sb, _, blocks) = a, b
+    return f8.grouped_mm(aq, sa, bq, sb, block, emulate=emulate, sb_blocks=blocks)
 
 
 class _LowpMatmul(torch.autograd.Function):

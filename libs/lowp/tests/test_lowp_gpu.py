@@ -17,10 +17,15 @@ def _fp8_gpu() -> bool:
 
 
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 GEMMs (compute capability >= 8.9)")
-def test_scaled_mm_training_gemms_match_the_emulation():
+@pytest.mark.parametrize("blockwise", [True, False])
+def test_scaled_mm_training_gemms_match_the_emulation(blockwise, monkeypatch):
+    from miles_lowp import fp8
+
+    # blockwise: one cuBLAS GEMM with 1x128 / 128x128 scales; else the rowwise GEMM per group
+    monkeypatch.setattr(fp8, "_BLOCKWISE", {} if blockwise else {0: False, None: False})
     torch.manual_seed(0)
-    x = torch.randn(300, 1024, device="cuda", requires_grad=True)
-    w = torch.randn(520, 1024, device="cuda", requires_grad=True)
+    x = torch.randn(300, 1000, device="cuda", requires_grad=True)
+    w = torch.randn(520, 1000, device="cuda", requires_grad=True)
     dy = torch.randn(300, 520, device="cuda")
     outs = {}
     for emulate in (False, True):
@@ -28,8 +33,10 @@ def test_scaled_mm_training_gemms_match_the_emulation():
         y = lowp_linear(x, w, None, "fp8", emulate=emulate)
         y.backward(dy)
         outs[emulate] = (y.detach(), x.grad.clone(), w.grad.clone())
+    if blockwise:
+        assert fp8._BLOCKWISE.get(0, True), "this GPU's torch has no blockwise-scaled _scaled_mm"
     for got, want in zip(outs[False], outs[True]):
-        # cuBLAS writes each group's product in bf16 before the float32 sum
+        # cuBLAS writes its products in bf16 (per group, in the loop) before any float32 sum
         assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().mean())), \
             float((got - want).abs().max())
 
@@ -57,5 +64,6 @@ def test_fp8_linear_speed_against_bf16():
         times[fp8] = (time.perf_counter() - t0) / 5
     print(f"\nMEASURED {torch.cuda.get_device_name()} linear {T}x{H}->{F} forward+backward: bf16 "
           f"{times[False] * 1e3:.2f} ms ({T / times[False]:.0f} tokens/s), fp8 blockwise "
-          f"{times[True] * 1e3:.2f} ms ({T / times[True]:.0f} tokens/s), fp8/bf16 time {times[True] / times[False]:.2f}x")
+          f"{times[True] * 1e3:.2f} ms ({T / times[True]:.0f} tokens/s), "
+          f"fp8/bf16 time {times[True] / times[False]:.2f}x")
     assert times[True] > 0

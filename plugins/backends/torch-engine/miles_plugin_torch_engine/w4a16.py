@@ -60,7 +60,8 @@ def supports(x: torch.Tensor, packed: torch.Tensor) -> bool:
     return x.is_cuda and available() and (2 * packed.shape[-1]) % GROUP == 0
 
 
-def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, block_n: int = 64,
+                 num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """``x [..., K] @ W.T`` for ``W`` = the INT4 weight ``packed [N, K/2]`` with ``scale [N, K/128]``."""
     import triton
 
@@ -69,10 +70,9 @@ def w4a16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> 
     N = packed.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     BM = 16 if M <= 16 else (32 if M <= 32 else 64)  # decode steps are a few rows
-    BN = 64
     scale = scale.float()
-    _kernel()[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+    _kernel()[(triton.cdiv(M, BM), triton.cdiv(N, block_n))](
         x2, packed, scale, y, M, N, K, x2.stride(0), x2.stride(1), packed.stride(0), packed.stride(1),
         scale.stride(0), scale.stride(1), y.stride(0), y.stride(1),
-        BM=BM, BN=BN, G=GROUP, IEEE=x.dtype == torch.float32)
+        BM=BM, BN=block_n, G=GROUP, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return y.reshape(*x.shape[:-1], N)
