@@ -169,4 +169,9 @@ def seq_lens(batch: Any) -> list[int]:
     """Tokens per row of a padded training batch (its attention mask), or none for a batch of
     non-token actions."""
     mask = getattr(batch, "attention_mask", None)
-    return [] if mask is None else [int(x) for x in mask.sum(-1).tolist()]
+    if mask is None:
+        return []
+    mask = mask != 0
+    while mask.dim() > 2:  # a packed batch's [B, S, S] block mask: a token is a row that attends
+        mask = mask.any(-1)
+    return [int(x) for x in mask.sum(-1).tolist()]

@@ -118,3 +118,17 @@ def test_step_gauges_parse_with_the_official_parser():
     assert samples["miles_step"] == 3 and samples["miles_reward_mean"] == 0.25 and samples["miles_mfu"] == 0.4
     assert samples["miles_eval_acc"] == 1 and samples["miles_steps_logged_total"] == 1
     assert not any("note" in k for k in samples)
+
+
+def test_seq_lens_of_padded_and_packed_batches():
+    from types import SimpleNamespace
+
+    import torch
+    from miles_telemetry.flops import seq_lens
+
+    padded = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert seq_lens(SimpleNamespace(attention_mask=padded)) == [2, 3]
+    block = torch.zeros(1, 4, 4, dtype=torch.bool)  # a packed row: 3 tokens in two documents, 1 pad
+    block[0, :2, :2] = block[0, 2, 2] = True
+    assert seq_lens(SimpleNamespace(attention_mask=block)) == [3]
+    assert seq_lens(SimpleNamespace()) == []
