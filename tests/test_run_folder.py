@@ -56,6 +56,13 @@ def test_the_written_config_is_the_resolved_one(finished):
 def test_a_rerun_rejected_at_resume_leaves_the_folder_unchanged(finished, tmp_path, capfd, change):
     out = copy_run(finished, tmp_path)
     before = tree(out)
+    assert train(out, "run.steps=4", *change) == 2  # refused by the config the folder records
+    err = capfd.readouterr().err
+    key = change[0].split("=")[0]
+    assert "trained under other settings" in err and key in err and "Traceback" not in err, err[-2000:]
+    assert tree(out) == before
+    (out / "config.yaml").unlink()  # without it, the checkpoint itself refuses weights of another shape
+    before = tree(out)
     assert train(out, "run.steps=4", *change) == 2
     err = capfd.readouterr().err
     assert "does not fit this model" in err and "Traceback" not in err, err[-2000:]

@@ -78,6 +78,8 @@ def check_resume(out_dir: str, resolved: dict[str, Any], steps: int) -> tuple[st
         raise MilesError(f"run.steps={steps}, but {out_dir} has already trained {done[-1]} steps (checkpoint "
                          f"step_{done[-1]:06d}); raise run.steps to train further, evaluate it with miles eval, "
                          f"or pick a new run.out_dir to start over")
+    if steps == done[-1] and _damaged(out_dir, done[-1]):
+        done = done[:-1] or [0]  # the restore reports it and resumes from an older one: not finished
     notes = []
     if changed:
         notes.append("resuming with changed settings: " + ", ".join(f"{k} {a!r:.40} -> {b!r:.40}"
@@ -86,6 +88,12 @@ def check_resume(out_dir: str, resolved: dict[str, Any], steps: int) -> tuple[st
         notes.append(f"{out_dir} has already trained all {steps} steps; nothing to do (raise run.steps to "
                      f"train further)")
     return "\n".join(notes) or None, steps == done[-1]
+
+
+def _damaged(out_dir: str, step: int) -> bool:
+    from .checkpoint import damage
+
+    return damage(Path(out_dir) / "checkpoints" / f"step_{step:06d}") is not None
 
 
 def _old_config(path: Path) -> dict[str, Any] | None:
