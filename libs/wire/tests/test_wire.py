@@ -49,7 +49,8 @@ def test_expect_same_names_the_first_difference_and_verify_checks_the_version():
         W.expect_same(want, {"a": "1", "b": "x", "c": "y"})
     with pytest.raises(MilesError, match="tensor c is missing"):
         W.expect_same(want, {"a": "1", "b": "2"})
-    engine = type("E", (), {"weight_version": 4, "weight_checksums": lambda self, names: want})()
+    engine = type("E", (), {"weight_version": 4, "weight_checksums": lambda self, names: want,
+                            "load_weights": lambda self, named, version: None})()  # an Engine (LoadsWeights)
     W.verify([engine], want, 4)
     with pytest.raises(MilesError, match="weight_version 4, expected 5"):
         W.verify([engine], want, 5)
