@@ -13,9 +13,10 @@ from typing import Callable
 
 from miles import MilesError  # public error type: a launcher prints it as one line, no traceback
 
-from .checks import distinct_ports, free_port, port_free, unused_port, work_folder
+from .checks import api_key, distinct_ports, free_port, listening_socket, port_free, unused_port, work_folder
 
-__all__ = ["ServerExited", "default_sigint", "distinct_ports", "free_port", "kill_until_gone", "port_free",
+__all__ = ["ServerExited", "api_key", "default_sigint", "distinct_ports", "free_port", "kill_until_gone",
+           "listening_socket", "port_free",
            "serve_until_stopped", "session_pids", "stop_session", "unused_port", "venv_from_script", "work_folder"]
 
 

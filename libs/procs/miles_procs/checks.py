@@ -3,13 +3,15 @@ Each failure is a ``MilesError`` (exit 2) whose message names the flag and the f
 prints it as one line, as ``miles`` does, instead of a traceback."""
 from __future__ import annotations
 
+import os
 import random
 import socket
+from typing import Any
 from pathlib import Path
 
 from miles import MilesError
 
-__all__ = ["distinct_ports", "free_port", "port_free", "unused_port", "work_folder"]
+__all__ = ["api_key", "distinct_ports", "free_port", "listening_socket", "port_free", "unused_port", "work_folder"]
 
 _GIVEN: set[int] = set()
 
@@ -88,3 +90,42 @@ def work_folder(path: str, flag: str = "--work-dir") -> Path:
         raise MilesError(f"{flag} {path}: cannot create the folder ({e.strerror}); pass a folder path "
                          "you can write to") from None
     return folder
+
+
+def api_key(args: Any) -> str | None:
+    """A server command's key: ``--api-key``, else ``--api-key-file``, else ``$MILES_API_KEY`` (a
+    file or the environment keeps it out of ``ps``). It travels in an HTTP header, so a blank key
+    (every request would get a 401) or one with spaces or control characters is refused."""
+    if args.api_key is not None:
+        key = args.api_key
+    elif args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise MilesError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror})") from None
+        if not key:
+            raise MilesError(f"--api-key-file {args.api_key_file} is empty; write the key into it")
+    else:
+        return os.environ.get("MILES_API_KEY", "").strip() or None
+    if not key.strip():
+        raise MilesError("--api-key is blank: give a non-empty key (or leave --api-key out on 127.0.0.1)")
+    if key != key.strip() or not all(33 <= ord(c) < 127 for c in key):
+        raise MilesError("--api-key: use printable ASCII without spaces (it travels in an HTTP header)")
+    return key
+
+
+def listening_socket(host: str, port: int, backlog: int = 64) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (IPv6 for a host with ':'), or a
+    ``MilesError`` naming the port. proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted
+    sockets of that proto, and without it a response written in two pieces waits for a delayed ACK."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MilesError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); pass another "
+                         f"--port (0 picks a free one)") from None
+    sock.listen(backlog)
+    return sock

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from miles import MilesError, SamplingParams
+from miles_procs import listening_socket
 from pydantic import ValidationError
 
 from .groups import GroupJoins, JoinBusy, check_join_args
@@ -372,23 +373,6 @@ def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str, 
     return handler
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets of that proto, and
-    # without it a response written in two pieces waits ~40 ms for the client's delayed ACK
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise MilesError(f"cannot bind {host}:{port}: {e.strerror}; pick another --port "
-                         f"(0 picks a free one)") from e
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           settings: dict | None = None) -> int:
     """Load ``model_dir`` into a torch engine and serve it until SIGTERM/SIGINT; returns 0."""
@@ -411,7 +395,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
     cfg = validate_settings(TorchEngineConfig, "", settings, problems)
     if problems:
         raise ConfigError(problems, source="miles serve settings (key=value)")
-    sock = _bind(host, port)  # before loading the model: a busy port fails fast
+    sock = listening_socket(host, port, backlog=2048)  # before loading the model: a busy port fails fast
+    sock.setblocking(False)
     from transformers.utils import logging as hf_logging
 
     from .engine import TorchEngine

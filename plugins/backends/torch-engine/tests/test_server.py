@@ -227,7 +227,7 @@ def test_accepted_connections_send_without_delay():
     it every answer written in two pieces waited ~40 ms for the client's delayed ACK."""
     import socket
 
-    from miles_plugin_torch_engine.server import _bind
+    from miles_procs import listening_socket
 
     async def main() -> int:
         seen: list[int] = []
@@ -236,7 +236,9 @@ def test_accepted_connections_send_without_delay():
             seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
             writer.close()
 
-        server = await asyncio.start_server(handle, sock=_bind("127.0.0.1", 0))
+        sock = listening_socket("127.0.0.1", 0)
+        sock.setblocking(False)
+        server = await asyncio.start_server(handle, sock=sock)
         port = server.sockets[0].getsockname()[1]
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         while not seen:

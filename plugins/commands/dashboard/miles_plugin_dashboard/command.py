@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 from pathlib import Path
 
 from miles import MilesError
+from miles_procs import api_key, listening_socket
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 DEFAULT_PORT = 8686
@@ -23,40 +22,10 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--api-key-file", default=None, help="read the API key from this file")
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else --api-key-file, else $MILES_API_KEY (as ``miles serve`` takes it)."""
-    if args.api_key_file and not args.api_key:
-        try:
-            key = Path(args.api_key_file).read_text().strip()
-        except OSError as e:
-            raise MilesError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror})") from None
-        if not key:
-            raise MilesError(f"--api-key-file {args.api_key_file} is empty; write the key into it")
-        return key
-    key = args.api_key or os.environ.get("MILES_API_KEY", "").strip() or None
-    if key is not None and (key != key.strip() or not all(33 <= ord(c) < 127 for c in key)):
-        raise MilesError("--api-key: use printable ASCII without spaces (it travels in an HTTP header)")
-    return key
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise MilesError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); pass another "
-                         f"--port (0 picks a free one)") from None
-    sock.listen(64)
-    return sock
-
-
 def run(args: argparse.Namespace) -> int:
     from .runs import RunView, find_runs
 
-    key = _api_key(args)
+    key = api_key(args)
     if args.host not in LOOPBACK and not key:
         raise MilesError(f"--host {args.host} shows your runs beyond this machine: pass --api-key KEY "
                          f"(or --api-key-file / $MILES_API_KEY), or bind 127.0.0.1")
@@ -71,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .app import build_app
 
-    sock = _listen(args.host, args.port)
+    sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"miles dashboard: http://{host}:{port}/ ({len(views)} run{'s' * (len(views) != 1)}: "

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 from miles import MilesError, PluginError, make_plugin_manager
+from miles_procs import api_key
 from miles.config import apply_overrides
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -39,20 +38,3 @@ def run(args: argparse.Namespace) -> int:
         raise MilesError("no installed plugin implements miles_serve; pip install miles-plugin-torch-engine")
     return code
 
-
-def api_key(args: argparse.Namespace) -> str | None:
-    """The key from --api-key, else --api-key-file, else $MILES_API_KEY (a file or the environment
-    keeps it out of ``ps``)."""
-    if args.api_key is not None:
-        if not args.api_key.strip():  # HTTP strips a header's blanks: every request would get a 401
-            raise MilesError("--api-key is blank: give a non-empty key (or leave --api-key out on 127.0.0.1)")
-        return args.api_key
-    if args.api_key_file:
-        try:
-            key = Path(args.api_key_file).read_text().strip()
-        except OSError as e:
-            raise MilesError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror})") from e
-        if not key:
-            raise MilesError(f"--api-key-file {args.api_key_file} is empty; write the key into it")
-        return key
-    return os.environ.get("MILES_API_KEY", "").strip() or None

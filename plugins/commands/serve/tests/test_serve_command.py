@@ -5,7 +5,7 @@ import sys
 import pytest
 from miles import MilesError, make_plugin_manager
 from miles.cli import parser
-from miles_plugin_serve.command import api_key
+from miles_procs import api_key
 
 
 def _args(*argv):
