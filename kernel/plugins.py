@@ -33,17 +33,26 @@ def canonical(name: Any) -> Any:
     return name.replace("_", "-") if isinstance(name, str) else name
 
 
+# kinds whose names are someone else's identifiers, kept as given (Hugging Face model_type values)
+VERBATIM = ("architectures",)
+
+
 class Registry(dict):
-    """Components of one kind by canonical name; looked up under either separator."""
+    """Components of one kind by canonical name; looked up under either separator (unless the
+    kind's names are kept verbatim)."""
+
+    def __init__(self, verbatim: bool = False) -> None:
+        super().__init__()
+        self.key = (lambda name: name) if verbatim else canonical
 
     def __getitem__(self, name: str) -> "Component":
-        return super().__getitem__(canonical(name))
+        return super().__getitem__(self.key(name))
 
     def __contains__(self, name: object) -> bool:
-        return super().__contains__(canonical(name))
+        return super().__contains__(self.key(name))
 
     def get(self, name: str, default: Any = None) -> Any:
-        return super().get(canonical(name), default)
+        return super().get(self.key(name), default)
 
 
 @dataclass
@@ -84,10 +93,10 @@ class MilesPluginManager(pluggy.PluginManager):
         return self._registries[kind]
 
     def _collect(self, kind: str) -> Registry:
-        found = Registry()
+        found = Registry(verbatim=kind in VERBATIM)
 
         def register(name: str, factory: Callable[..., Any], config: Any = None) -> None:
-            who, name = _CALLING.get(), canonical(name)
+            who, name = _CALLING.get(), found.key(name)
             if not callable(factory):
                 raise PluginError(f"plugin {who} registers {kind[:-1]} {name!r} with a factory that is not "
                                   f"callable ({type(factory).__name__} {factory!r:.40}); register a class or function")
