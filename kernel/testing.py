@@ -20,7 +20,8 @@ from .types import Group, Sample, Task
 from miles_tinypolicy import char_tokenizer
 
 __all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration",
-           "listening_port", "run_module", "assert_usage_error", "require_commands", "served", "fit_answers"]
+           "listening_port", "run_module", "assert_usage_error", "require_commands", "start_server", "server_url",
+           "served", "fit_answers"]
 
 
 @pytest.fixture
@@ -122,25 +123,38 @@ def require_commands(packages: dict[str, str]) -> None:
     assert not still, f"{fix} did not provide {', '.join(still)}"
 
 
-@contextlib.contextmanager
-def served(folder: Any, *args: str, timeout: float = 180) -> Iterator[str]:
-    """``miles serve FOLDER --port 0 ARGS`` in a subprocess while the block runs; yields its base URL
-    (``http://127.0.0.1:PORT``). A server that does not come up fails with the tail of its log."""
+def start_server(folder: Any, log: Any, *args: str) -> subprocess.Popen:
+    """``miles serve FOLDER --port 0 ARGS`` started in a subprocess (stderr to ``log``); pair it
+    with ``server_url`` to wait, so that several servers can load at once."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", "0", *args],
+                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def server_url(proc: subprocess.Popen, log: Any, timeout: float = 180) -> str:
+    """The base URL (``http://127.0.0.1:PORT``) a started server prints once it listens; one that
+    does not come up in ``timeout`` seconds fails with the tail of its log."""
     import threading
     from pathlib import Path
 
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert line and "listening on http://" in line[0], f"{line}\n{Path(log).read_text()[-3000:]}"
+    return line[0].strip().rsplit(" ", 1)[1]
+
+
+@contextlib.contextmanager
+def served(folder: Any, *args: str, timeout: float = 180) -> Iterator[str]:
+    """``miles serve FOLDER --port 0 ARGS`` in a subprocess while the block runs; yields its base URL."""
+    from pathlib import Path
+
     log = Path(folder).parent / f"{Path(folder).name}.serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(folder), "--port", "0", *args],
-                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    proc = start_server(folder, log, *args)
     try:
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        assert line and "listening on http://" in line[0], f"{line}\n{log.read_text()[-3000:]}"
-        yield line[0].strip().rsplit(" ", 1)[1]
+        yield server_url(proc, log, timeout)
     finally:
         proc.kill()
         proc.wait(30)

@@ -3,17 +3,13 @@
 The model is a tiny Qwen2 trained for a few seconds to answer one chat prompt with a Hermes-style
 tool call, so tool-call parsing is checked on what the engine really generates."""
 import json
-import os
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from miles.testing import char_tokenizer
+from miles.testing import char_tokenizer, server_url, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-openai-key"
@@ -73,21 +69,6 @@ def train_tool_caller(tok):
     return model.eval()
 
 
-def start(model_dir: Path, log: Path, *args) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "miles.cli", "serve", str(model_dir), "--port", "0", *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
-
-
-def wait_listening(proc: subprocess.Popen, log: Path, timeout: float = 120) -> str:
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    assert line and "listening on http://" in line[0], f"got {line}; stderr:\n{log.read_text()[-3000:]}"
-    return line[0].strip().rsplit(" ", 1)[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Two servers: the tool caller with a chat template and an API key, and a random model
@@ -101,13 +82,13 @@ def served(tmp_path_factory):
     config = json.loads((base / "plain" / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (base / "plain" / "tokenizer_config.json").write_text(json.dumps(config))
-    procs = [start(base / "plain", base / "b.log")]
+    procs = [start_server(base / "plain", base / "b.log")]
     try:
         model = train_tool_caller(tok)
         model.save_pretrained(base / "model")
         tok.save_pretrained(base / "model")
-        procs.insert(0, start(base / "model", base / "a.log", "--api-key", KEY))
-        urls = [wait_listening(p, base / f"{n}.log") for p, n in zip(procs, "ab")]
+        procs.insert(0, start_server(base / "model", base / "a.log", "--api-key", KEY))
+        urls = [server_url(p, base / f"{n}.log", 120) for p, n in zip(procs, "ab")]
         yield {"url": urls[0], "plain_url": urls[1], "model_dir": base / "model", "tok": tok, "model": model}
     finally:
         for p in procs:
