@@ -30,6 +30,7 @@ from .protocols import (BuildsBatches, Console, CriticAlgorithm, Distributed, Ex
 from .protocols import EngineStats, Recorder
 from .rewardclock import StepShare
 from .rollouts import ModeContext, RolloutService
+from .taskorder import TaskOrder
 from .types import Batch, Sample, SamplingParams
 
 
@@ -142,10 +143,11 @@ class Loop:
         self.rollouts = RolloutService(pm, rollout, engine, env, tokenizer, algorithm, self.console,
                                        recorder=self.recorder, reward_budget=r.reward_budget) \
             if engine is not None else None
+        self.task_order = order = TaskOrder.for_env(env, self.seed)  # its cursor goes into checkpoints
         ctx = ModeContext(cfg.mode_settings, r, self.rollouts, transport, [engine] if engine is not None else [],
-                          list(env.tasks("train")), self.params, self.seed, algorithm.uses_rollout,
+                          order.tasks, self.params, self.seed, algorithm.uses_rollout,
                           isinstance(engine, ReceivesWeights) and bool(engine.remote),
-                          version_fn=lambda: self.version, console=self.console)
+                          version_fn=lambda: self.version, console=self.console, order=order)
         self.mode = pm.create("modes", cfg.run.mode, cfg.mode_settings, ctx=ctx)
         return self.components
 
@@ -405,7 +407,8 @@ class Loop:
         if self.distributed:
             self.components.trainer.barrier()
         if self.main:
-            runfolder.commit(tmp, step, {"weight_version": self.version}, self.cfg.run.keep_checkpoints)
+            runfolder.commit(tmp, step, {"weight_version": self.version, "tasks_consumed": self.task_order.consumed},
+                             self.cfg.run.keep_checkpoints)
         if self.distributed:
             self.components.trainer.barrier()
 
@@ -429,6 +432,7 @@ class Loop:
         runfolder.check_resumable(out, found)
         if found:
             self.new_trainer(found)  # a checkpoint that does not fit the model stops here
+            self.task_order.consumed = found[1].get("tasks_consumed", 0)  # epochs go on where the run was
         self._resumed_step = found[1]["step"] if found else None  # open_loggers cuts metrics.jsonl back to it
         if not found:
             return 0

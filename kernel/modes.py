@@ -7,6 +7,7 @@ import random
 import time
 from typing import Any
 
+from .errors import EngineRestarted
 from .types import Group, SamplingParams
 
 
@@ -21,10 +22,14 @@ class SyncMode:
         """Roll out until ``rollout.batch_size`` groups pass the filters (bounded refill:
         ``rollout.oversample_rounds`` extra rounds at most, so a step never hangs)."""
         ctx, r, t0 = self.ctx, self.ctx.rollout, time.perf_counter()
-        kept, sampled, dropped = [], [], 0
+        kept, sampled, dropped, mark = [], [], 0, ctx.order.consumed
         for _ in range(r.oversample_rounds + 1):
-            tasks = rng.sample(ctx.train_tasks, min(r.batch_size - len(kept), len(ctx.train_tasks)))
-            groups = ctx.rollouts.run(tasks, r.n, params)
+            tasks = ctx.order.draw(rng, r.batch_size - len(kept))  # random, or the next ones in epoch order
+            try:
+                groups = ctx.rollouts.run(tasks, r.n, params)
+            except EngineRestarted:
+                ctx.order.consumed = mark  # the take is asked again: it redraws the same epoch slice
+                raise
             sampled += groups
             for g in groups:
                 if ctx.rollouts.keep(g):
@@ -40,7 +45,7 @@ class SyncMode:
             "groups_kept": len(kept), "groups_dropped": dropped,
             "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "tokens_per_second": sum(len(s.response_ids) for s in samples) / max(t_roll - t0, 1e-9),
-            "rollout_seconds": t_roll - t0, **ctx.rollouts.metrics(samples)}
+            "rollout_seconds": t_roll - t0, **ctx.rollouts.metrics(samples), **ctx.order.metrics()}
 
     def push(self, source: Any, engines: list, version: int, wait: bool = True) -> dict[str, float]:
         return self.ctx.transport.sync(source, engines, version)

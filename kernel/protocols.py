@@ -136,6 +136,16 @@ class UsesTokenizer(Protocol):
 
 
 @runtime_checkable
+class TrainsInEpochs(Protocol):
+    """An env whose training tasks a run visits in epochs rather than sampling them at random each
+    step (``miles.taskorder``): every epoch rolls out each task of ``tasks("train")`` once, steps take
+    consecutive slices, and each step logs ``epoch``. ``shuffle_epochs``: each epoch in its own
+    order, shuffled by ``run.seed`` and the epoch number; False: the order of ``tasks("train")``."""
+
+    shuffle_epochs: bool
+
+
+@runtime_checkable
 class EnvMetrics(Protocol):
     """An env's own step metrics (e.g. its verifier's extraction failures): ``metrics(samples)``
     over a step's (or an evaluation's) samples, merged into the step's metrics like a rollout's."""

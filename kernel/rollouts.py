@@ -13,6 +13,7 @@ from miles_tokens import decode_batch, encode_prompts
 
 from .errors import MilesError
 from .rewardclock import RewardClock
+from .taskorder import TaskOrder
 from .types import Group, SamplingParams, Sample, Status, Task
 
 
@@ -144,7 +145,9 @@ def first_reward(pm: Any, s: Sample) -> tuple[Any, str]:
 @dataclass
 class ModeContext:
     """What a run mode (``miles.protocols.Mode``) receives: no loop, only what it uses.
-    ``rollouts`` (the ``Rollouts`` service) and ``engines`` exist on trainer rank 0 only."""
+    ``rollouts`` (the ``Rollouts`` service) and ``engines`` exist on trainer rank 0 only.
+    ``order``: where the steps draw their ``train_tasks`` from (``order.draw(rng, k)``; random
+    samples unless the env trains in epochs), and its ``metrics()`` for each step."""
 
     settings: Any  # the mode's own schema's settings (from the rollout section), or None
     rollout: Any  # the kernel's RolloutConfig: batch_size, n, oversample_rounds, ...
@@ -158,6 +161,11 @@ class ModeContext:
     remote: bool  # the engines run in other processes (they serialise requests and updates)
     version_fn: Callable[[], int] = field(repr=False, default=lambda: 0)
     console: Callable[[str], None] = field(repr=False, default=print)
+    order: TaskOrder | None = field(repr=False, default=None)  # None: random samples of train_tasks
+
+    def __post_init__(self) -> None:
+        if self.order is None:
+            self.order = TaskOrder(self.train_tasks, self.seed)
 
     @property
     def version(self) -> int:

@@ -40,7 +40,8 @@ class DatasetConfig(BaseModel):
                                            "rollout: python runs the model's code in the miles-sandbox")
     python_timeout_s: float = Field(5.0, gt=0, description="wall-clock limit of one python tool call")
     shuffle: bool = Field(True, description="shuffle the rows by seed (data_seed, else run.seed) before the "
-                          "eval split is held out and the prompts are listed")
+                          "eval split is held out, and each training epoch's order by run.seed; false: "
+                          "file order, every epoch")
     data_seed: int | None = Field(None, description="seed of the shuffle and the held-out split (default: run.seed)")
 
     @field_validator("train_files", "eval_files", mode="before")

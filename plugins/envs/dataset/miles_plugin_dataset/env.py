@@ -1,8 +1,10 @@
 """The ``dataset`` env: tasks from prompt files, scored by a built-in reward of ``miles_rewards``.
 
 Rows are shuffled by seed, then ``eval_fraction`` of them is held out unless ``eval_files`` are
-given. With the run's tokenizer (``use_tokenizer``) prompts over ``max_prompt_tokens`` are dropped
-and counted. ``reward(sample)`` scores the model's final answer (a multi-turn sample's last turn)
+given. A run visits the training prompts in epochs (``miles.protocols.TrainsInEpochs``): each
+epoch every prompt once, in an order shuffled by ``run.seed`` (``shuffle: false``: file order).
+With the run's tokenizer (``use_tokenizer``) prompts over ``max_prompt_tokens`` are dropped and
+counted. ``reward(sample)`` scores the model's final answer (a multi-turn sample's last turn)
 and keeps the reward's own metrics in ``Sample.extensions["dataset"]``; ``metrics(samples)``
 averages them into the step's metrics.
 """
@@ -29,6 +31,7 @@ class DatasetEnv:
         from miles_rewards import RewardConfigError, make_reward
 
         self.cfg = cfg
+        self.shuffle_epochs = cfg.shuffle  # miles.protocols.TrainsInEpochs: unshuffled data keeps file order
         try:
             self.reward_fn = make_reward(cfg.reward, cfg.reward_settings)
         except RewardConfigError as e:

@@ -107,6 +107,7 @@ class Streamer:
     def _produce(self, worker: int) -> None:
         ctx = self.ctx
         rng = random.Random(ctx.seed * 7919 + worker + 1_000 * ctx.version)
+        retry: list = []  # a chunk an engine restart cut short: redone with the same prompts
         try:
             while not self.stop.is_set():
                 t0 = time.perf_counter()
@@ -120,9 +121,11 @@ class Streamer:
                         self.waiting -= 1
                     else:
                         return
+                    size = len(retry) or size
                     self.in_flight += size
                 self.blocked[worker] += time.perf_counter() - t0
-                tasks = rng.sample(ctx.train_tasks, size)
+                # the run's task order (ctx.order) is shared by the workers: in epochs each takes the next slice
+                tasks, retry = retry or ctx.order.draw(rng, size), []
                 params = replace(ctx.params, seed=rng.randrange(2**31))
                 try:
                     with self.lock:
@@ -130,7 +133,7 @@ class Streamer:
                 except EngineRestarted as e:  # wait for the trainer to push weights, then redo the chunk
                     with self.cv:
                         self.in_flight -= size
-                    self.restarted = e
+                    self.restarted, retry = e, tasks
                     while not self.resynced.wait(0.1) and not self.stop.is_set():
                         pass
                     continue
@@ -197,7 +200,7 @@ class Streamer:
             "engine_idle_seconds": blocked - blocked_mark,
             "response_length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "resumed_samples": sum(len(s.weight_versions) > 1 for s in samples),
-            "rollout_seconds": waited, **ctx.rollouts.metrics(samples)}
+            "rollout_seconds": waited, **ctx.rollouts.metrics(samples), **ctx.order.metrics()}
 
     def _set_taking(self, need: int) -> None:
         with self.cv:
