@@ -4,9 +4,11 @@ each (``weight ≈ fp8 * weight_scale_inv``, Hugging Face's naming), activations
 
 A GEMM ``a @ b.T`` whose operands are both quantized along the reduction dimension in groups of
 ``block`` (a 128x128 weight block is, row by row, such a group with the block's scale) is
-:func:`grouped_mm`: on CUDA one blockwise-scaled ``torch._scaled_mm`` (or, where cuBLAS lacks
-that, one rowwise-scaled GEMM per group, summed in float32); emulated (CPUs, or on request) it
-dequantizes both operands and multiplies in float32: the same products, summed in another order.
+:func:`grouped_mm`: on CUDA one blockwise-scaled ``torch._scaled_mm`` (1x128 x 128x128, or 1x128 x
+1x128 where the 128x128 scale layout cuBLAS reads differs from the one torch checks, and for the
+weight gradient; :func:`blockwise_operands`), or, where cuBLAS lacks that, one rowwise-scaled GEMM
+per group, summed in float32; emulated (CPUs, or on request) it dequantizes both operands and
+multiplies in float32: the same products, summed in another order.
 """
 from __future__ import annotations
 
@@ -95,33 +97,58 @@ def grouped_mm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.T
     if block == BLOCK and aq.is_cuda and _BLOCKWISE.get(aq.device.index, True):
         try:
             return _blockwise(aq, sa, bq, sb, sb_blocks).to(out_dtype)
-        except RuntimeError:  # this torch / cuBLAS has no blockwise scaling: the group loop
-            _BLOCKWISE[aq.device.index] = False
+        except torch.cuda.OutOfMemoryError:  # not a missing feature
+            raise
+        except (RuntimeError, ValueError):  # this torch / cuBLAS has no blockwise scaling (torch's
+            _BLOCKWISE[aq.device.index] = False  # checks raise either): the group loop
     return _scaled_groups(aq, sa, bq, sb, block).to(out_dtype)
 
 
 _BLOCKWISE: dict[int | None, bool] = {}
 
 
-def _blockwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
-               sb_blocks: torch.Tensor | None) -> torch.Tensor:
-    """One cuBLAS GEMM with DeepSeek-V3's scaling: ``a`` in 1x128 groups (scales ``[M, G]``,
-    column-major), ``b`` in 128x128 blocks (scales ``[G, N/128]``, column-major) or 1x128 groups
-    (``[G, N]``, row-major). ``K`` and ``N`` are zero-padded to what cuBLAS takes (K to whole
-    groups, N and M to multiples of 16); the padded outputs are dropped."""
+def blockwise_operands(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
+                       sb_blocks: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """``(a [Mp, Kp], b [Kp, Np], scale_a, scale_b, recipe)``: the arguments of the one cuBLAS
+    blockwise-scaled ``torch._scaled_mm(a, b, scale_a, scale_b)`` giving :func:`grouped_mm`'s
+    ``a @ b.T`` in its first ``[M, N]``. ``K`` is zero-padded to whole groups (``Kp = 128 G``),
+    ``M`` and ``N`` to multiples of 16 (zero rows with scale 1; their outputs are dropped); ``b``
+    is column-major, as cuBLAS wants its second operand.
+
+    cuBLAS' scale layouts (the ``recipe``), for ``G`` groups along ``K``:
+
+    * ``1x128`` (either operand, ``R`` rows): ``[R, G]`` float32, outer-dim-major (strides
+      ``(1, R)``); for ``b`` torch takes its transpose, ``[G, Np]`` row-major.
+    * ``128x128`` (``b`` only here): ``[G, ceil(N/128)]`` with strides ``(1, L)``, where cuBLAS reads
+      ``L = round_up(G, 4)`` floats per 128-row block. ``torch._scaled_mm``'s check accepts (and
+      passes on) ``L = G`` only, so for ``G % 4 != 0`` cuBLAS would take every block row but the first's
+      scales from the wrong place (silently: garbage results). There, and wherever ``b`` has no
+      block scales, ``b`` goes as 1x128 groups with its per-row scales ``sb`` (a 128x128 block's
+      rows share its scale: the same numbers): cuBLAS' 1x128 x 1x128, which also serves the weight
+      gradient (two activation-like operands)."""
     (M, K), N = aq.shape, bq.shape[0]
     G, Mp, Np = -(-K // BLOCK), -(-M // 16) * 16, -(-N // 16) * 16
 
     def pad(q: torch.Tensor, rows: int) -> torch.Tensor:  # 0 is e4m3's +0.0
         return F.pad(q.view(torch.uint8), (0, G * BLOCK - K, 0, rows - q.shape[0])).view(torch.float8_e4m3fn)
 
-    scale_a = F.pad(sa.float(), (0, 0, 0, Mp - M), value=1.0).t().contiguous().t()
-    if sb_blocks is not None:
-        scale_b = sb_blocks.float().contiguous().t()
+    scale_a = F.pad(sa.float(), (0, 0, 0, Mp - M), value=1.0).t().contiguous().t()  # [Mp, G], strides (1, Mp)
+    if sb_blocks is not None and G % 4 == 0 and tuple(sb_blocks.shape) == (-(-N // BLOCK), G):
+        scale_b = sb_blocks.float().contiguous().t()  # [G, N/128], strides (1, G), G == round_up(G, 4)
+        recipe = "1x128 x 128x128"
     else:
-        scale_b = F.pad(sb.float(), (0, 0, 0, Np - N), value=1.0).t().contiguous()
-    out = torch._scaled_mm(pad(aq, Mp), pad(bq, Np).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
-    return out[:M, :N].float()
+        scale_b = F.pad(sb.float(), (0, 0, 0, Np - N), value=1.0).t().contiguous()  # [G, Np], strides (Np, 1)
+        recipe = "1x128 x 1x128"
+    return pad(aq, Mp), pad(bq, Np).t(), scale_a, scale_b, recipe
+
+
+def _blockwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
+               sb_blocks: torch.Tensor | None) -> torch.Tensor:
+    """One cuBLAS GEMM with DeepSeek-V3's scaling (:func:`blockwise_operands`), bfloat16 out."""
+    a, b, scale_a, scale_b, _ = blockwise_operands(aq, sa, bq, sb, sb_blocks)
+    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    return out[:aq.shape[0], :bq.shape[0]].float()
 
 
 def _scaled_groups(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
