@@ -20,7 +20,7 @@ class SpeculativeConfig(pydantic.BaseModel, extra="forbid"):
     max_batch: Union[int, Literal["auto"]] = Field(
         "auto", description="a generate call of more rows (prompts x n) than this decodes without "
         "speculation, where the verify forward costs more than the steps it saves; auto: 16 on CPU, "
-        "32 on CUDA")
+        "8 on CUDA with cuda_graphs (the step is replayed from CUDA graphs), off on CUDA without")
 
     @model_validator(mode="after")
     def _complete(self):

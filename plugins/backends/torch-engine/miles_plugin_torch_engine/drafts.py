@@ -6,6 +6,10 @@ model, its own KV cache and the token before the last one. After a step emitting
 row's last token sits at ``pos + n``; the draft model's cache then holds every position up to
 ``pos + n - 2`` at least, so its next proposal feeds that token and the last one as a block
 (rewriting a position it may already hold, with the same token and keys).
+
+``propose`` takes the uniforms of its draws (``u [B, k]``) and an attention length bucket when it
+runs inside a CUDA graph (``spec_graphs``); ``signature`` names the state buffers such a graph
+reads, so that it is captured again when they are re-allocated.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ class HeadDrafter:
         if self.feat is None or self.feat.shape[0] != fwd.slots:
             self.feat = torch.zeros((fwd.slots, self.model.config.hidden_size), dtype=fwd.dtype, device=fwd.device)
 
+    def signature(self) -> tuple:
+        return (self.feat.data_ptr(),)  # the head's weights are the model's: in the forward's signature
+
     def join(self, rows, features, prev, ids, lengths, repeats) -> None:
         self.feat[rows] = features
 
@@ -45,13 +52,14 @@ class HeadDrafter:
         self.feat[:live] = features
 
     def propose(self, live: int, last: torch.Tensor, pos: torch.Tensor, k: int, params: Any,
-                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                gen: torch.Generator, u: torch.Tensor | None = None,
+                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``k`` drafts per row ``[live, k]`` and the distributions they were drawn from ``[live, k, V]``
         (None at temperature 0)."""
         feature, tok, drafts, qs = self.feat[:live], last, [], []
-        for _ in range(k):
+        for i in range(k):
             feature = self.head(feature, embed(self.model, tok))
-            tok, q = propose_token(head_logits(self.model, feature), params, gen)
+            tok, q = propose_token(head_logits(self.model, feature), params, gen, None if u is None else u[:, i:i + 1])
             drafts.append(tok)
             qs.append(q)
         return torch.stack(drafts, 1), None if qs[0] is None else torch.stack(qs, 1)
@@ -84,6 +92,9 @@ class ModelDrafter:
         if self.prev is None or self.prev.shape[0] != fwd.slots:
             self.prev = torch.zeros(fwd.slots, dtype=torch.long, device=fwd.device)
 
+    def signature(self) -> tuple:
+        return self.fwd.weights_signature() + (self.fwd.k_cache.data_ptr(), self.prev.data_ptr())
+
     def join(self, rows, features, prev, ids, lengths, repeats) -> None:
         self.fwd.prefill(ids, lengths, rows, repeats)
         self.prev[rows] = prev
@@ -96,15 +107,18 @@ class ModelDrafter:
         self.prev[:live] = prev
 
     def propose(self, live: int, last: torch.Tensor, pos: torch.Tensor, k: int, params: Any,
-                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = forward_block(self.fwd, torch.stack([self.prev[:live], last], 1), pos - 1)[:, -1]
+                gen: torch.Generator, u: torch.Tensor | None = None,
+                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # a live row's position is >= 1 (its prompt); a graph's scratch rows sit at 0
+        hidden = forward_block(self.fwd, torch.stack([self.prev[:live], last], 1), (pos - 1).clamp(min=0),
+                               length=length)[:, -1]
         drafts, qs = [], []
         for i in range(k):
-            tok, q = propose_token(lm_logits(self.fwd, hidden), params, gen)
+            tok, q = propose_token(lm_logits(self.fwd, hidden), params, gen, None if u is None else u[:, i:i + 1])
             drafts.append(tok)
             qs.append(q)
             if i + 1 < k:
-                hidden = forward_block(self.fwd, tok[:, None], pos + i + 1)[:, 0]
+                hidden = forward_block(self.fwd, tok[:, None], pos + i + 1, length=length)[:, 0]
         return torch.stack(drafts, 1), None if qs[0] is None else torch.stack(qs, 1)
 
 

@@ -12,10 +12,11 @@ are one-hot and the tokens are the target's greedy ones. The log-probs returned 
 
 Rejected positions need no rollback: their keys and values sit past the row's position, where
 decode masks them until they are overwritten. Rows keep their own positions (continuous
-batching), so a step's block attends with a per-row mask. The block forward is plain torch on
-the fast path's weights and cache (no CUDA graphs, no Triton kernels); a generate call of more
-rows than ``max_batch`` goes to the engine's plain fast path instead, where the block's extra
-positions cost more than the steps they save.
+batching), so a step's block attends with a per-row mask. On CUDA the block runs the decode
+step's Triton kernels (each of a row's ``k + 1`` tokens is a query row at its own position) and
+the whole step (drafts, block, verification) replays from CUDA graphs (``spec_graphs``); on CPU
+it is plain torch. A generate call of more rows than ``max_batch`` goes to the engine's plain
+fast path instead, where the block's extra positions cost more than the steps they save.
 """
 from __future__ import annotations
 
@@ -25,26 +26,44 @@ import torch
 import torch.nn.functional as F
 from miles_fastpath.ops import rms_norm as _rms
 
-from . import cpu_workers
+from . import cpu_workers, triton_ops
 from .batching import FastGenerator
 from .cuda_graphs import DecodeRunner
 from .engine import _filter
 from .fast import LlamaFamilyForward, _lin
+from .spec_graphs import SpecGraphs
 
-# rows above which a step stops paying: on CPU measured by benchmarks/speculative.py --decode
-# (1.3x at 8 rows, 0.6x at 64); on CUDA SGLang-like small-batch territory until measured there
-AUTO_MAX_BATCH = {"cpu": 16, "cuda": 32}
+# rows above which a step stops paying (a generate call of more rows decodes without drafts),
+# measured by `python benchmarks/speculative.py --decode` (CPU) and `... --decode --device cuda`
+# (H100, 0.5B shape, k=3). CPU: 1.3x at 8 rows, 0.6x at 64. CUDA, the step in graphs: a step
+# costs 1.75x a plain graphed step at 1 row, 2x at 8, 2.8x at 64, 4x at 256, so it pays where
+# the acceptance length beats that (the benchmark's 150-step head, 1.3-1.6: 0.93x at 1 row,
+# 0.66x at 8; an EAGLE head on real text, 2-3, pays up to ~8 rows). Without graphs a step cost
+# ~10x a plain one at every batch: auto is off then (auto_max_batch).
+AUTO_MAX_BATCH = {"cpu": 16, "cuda": 8}
+
+
+def auto_max_batch(device: torch.device, cuda_graphs: bool) -> int:
+    """``engine.speculative.max_batch: auto`` on ``device``: 0 (never) on CUDA without graphs."""
+    if device.type == "cuda" and not cuda_graphs:
+        return 0
+    return AUTO_MAX_BATCH.get(device.type, AUTO_MAX_BATCH["cuda"])
 
 
 def forward_block(fwd: LlamaFamilyForward, tok: torch.Tensor, pos: torch.Tensor | None,
-                  rows: torch.Tensor | None = None, repeats: torch.Tensor | None = None) -> torch.Tensor:
+                  rows: torch.Tensor | None = None, repeats: torch.Tensor | None = None,
+                  length: int | None = None) -> torch.Tensor:
     """Final (normed) hidden states ``[B, T, d]`` of ``tok [B, T]``.
 
     Continuation (``pos [B]``): row ``b`` of the packed live rows ``[0, B)`` feeds its tokens at
     positions ``pos[b] ..``, writing their keys/values into its cache row and attending to its
-    cache up to each token's own position. Prompts (``pos`` None): right-padded from position 0,
-    attention within the block, keys/values into ``repeats[i]`` rows of ``rows`` for prompt ``i``.
+    cache up to each token's own position (positions below ``length``, which defaults to the
+    largest fed plus one: a host sync, so a CUDA graph passes its bucket). Prompts (``pos``
+    None): right-padded from position 0, attention within the block, keys/values into
+    ``repeats[i]`` rows of ``rows`` for prompt ``i``.
     """
+    if pos is not None and fwd.use_triton:
+        return _forward_block_fused(fwd, tok, pos)
     B, T = tok.shape
     h = fwd.inner.embed_tokens(tok)
     if pos is None:
@@ -52,7 +71,7 @@ def forward_block(fwd: LlamaFamilyForward, tok: torch.Tensor, pos: torch.Tensor 
     else:
         at = pos[:, None] + torch.arange(T, device=tok.device)  # [B, T]
         cos, sin = fwd.cos[at][:, None], fwd.sin[at][:, None]
-        length = int(at.max()) + 1
+        length = int(at.max()) + 1 if length is None else length
         mask = (torch.arange(length, device=tok.device) <= at[..., None])[:, None]  # [B, 1, T, length]
         slots = torch.arange(B, device=tok.device)[:, None]
     for li, layer in enumerate(fwd.inner.layers):
@@ -68,6 +87,26 @@ def forward_block(fwd: LlamaFamilyForward, tok: torch.Tensor, pos: torch.Tensor 
         h = h + _lin(o.transpose(1, 2).reshape(B, T, -1), layer.self_attn.o_proj)
         h = fwd._mlp(li, h)
     return _rms(h, fwd.inner.norm)
+
+
+def _forward_block_fused(fwd: LlamaFamilyForward, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``forward_block`` of a continuation with the decode step's Triton kernels: the ``B * T``
+    tokens are query rows, token ``(b, t)`` at position ``pos[b] + t`` of cache row ``b`` (RoPE and
+    the cache write, then attention over the row's positions up to its own): about ten kernels a
+    layer, no mask, no host sync."""
+    B, T = tok.shape
+    H, KV, D = fwd.heads, fwd.kv_heads, fwd.head_dim
+    layers = fwd.inner.layers
+    at = (pos[:, None] + torch.arange(T, device=tok.device)).view(-1)
+    h = fwd.inner.embed_tokens(tok).view(B * T, -1)
+    x = triton_ops.add_rms_norm(h, None, layers[0].input_layernorm)
+    for li in range(len(layers)):
+        f = fwd._fused[li]
+        qkv = F.linear(x, f["qkv"], f["qkv_bias"]).view(B * T, H + 2 * KV, D)
+        q = triton_ops.rope_store(qkv, fwd.cos, fwd.sin, at, fwd.k_cache[li], fwd.v_cache[li], H, KV, per_row=T)
+        o = triton_ops.decode_attention(q, fwd.k_cache[li], fwd.v_cache[li], at, fwd.scale, per_row=T)
+        x = fwd._fused_rest(li, h, o.view(B * T, -1))
+    return x.view(B, T, -1)
 
 
 def lm_logits(fwd: LlamaFamilyForward, hidden: torch.Tensor) -> torch.Tensor:
@@ -87,28 +126,35 @@ def sampling_probs(logits: torch.Tensor, params: Any) -> torch.Tensor:
     return logp.exp()
 
 
-def propose_token(logits: torch.Tensor, params: Any, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+def propose_token(logits: torch.Tensor, params: Any, gen: torch.Generator,
+                  u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A draft token per row and the distribution it was drawn from (None at temperature 0: the
-    argmax, which ``verify`` checks against the target's argmax without distributions)."""
+    argmax, which ``verify`` checks against the target's argmax without distributions). ``u``:
+    the draw's uniforms ``[B, 1]``, drawn beforehand (a CUDA graph), else from ``gen``."""
     if params.temperature <= 0:
         return logits.argmax(-1), None
     q = sampling_probs(logits, params)
-    return draw(q, gen), q
+    return draw(q, gen, u), q
 
 
-def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One token per row of ``probs [..., V]`` (inverse CDF; a zero-probability token never wins)."""
+def draw(probs: torch.Tensor, gen: torch.Generator, u: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``probs [..., V]`` (inverse CDF; a zero-probability token never wins);
+    ``u [..., 1]``: uniforms on [0, 1) drawn beforehand, else drawn here from ``gen``."""
     cdf = probs.cumsum(-1)
-    u = torch.rand((*probs.shape[:-1], 1), generator=gen, device=probs.device) * cdf[..., -1:]
+    if u is None:
+        u = torch.rand((*probs.shape[:-1], 1), generator=gen, device=probs.device)
+    u = u * cdf[..., -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
 def verify(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
-           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+           gen: torch.Generator, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling of ``drafts [B, k]`` (drawn from ``q [B, k, V]``) against the target's
     ``p [B, k + 1, V]``: the ``k + 1`` candidate tokens (accepted drafts, then the corrected or bonus
     token at index ``a``) and ``a [B]``, the number of drafts accepted. ``q`` None: greedy (``p``
-    then holds the target's logits), drafts pass while they are the target's argmax."""
+    then holds the target's logits), drafts pass while they are the target's argmax. ``u [B, k + 1]``:
+    the uniforms (``k`` acceptance tests, then the residual's draw) drawn beforehand, else from
+    ``gen``."""
     B, k = drafts.shape
     if q is None:
         best = p.argmax(-1)
@@ -119,8 +165,8 @@ def verify(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
         return out, accepted
     pd = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     qd = q.gather(-1, drafts[..., None]).squeeze(-1)
-    u = torch.rand((B, k), generator=gen, device=p.device)
-    accepted = (u * qd < pd).long().cumprod(dim=1).sum(dim=1)  # leading drafts passing min(1, p/q)
+    ua = torch.rand((B, k), generator=gen, device=p.device) if u is None else u[:, :k]
+    accepted = (ua * qd < pd).long().cumprod(dim=1).sum(dim=1)  # leading drafts passing min(1, p/q)
     rows = torch.arange(B, device=p.device)
     pa = p[rows, accepted]
     qa = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, accepted]  # no draft after the last
@@ -129,7 +175,7 @@ def verify(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
     # p <= q everywhere means p == q: no rejection can land here, so any distribution is exact
     residual = torch.where(total > 0, residual / total.clamp(min=1e-30), pa)
     out = torch.cat([drafts, drafts[:, :1]], dim=1)
-    out[rows, accepted] = draw(residual, gen)
+    out[rows, accepted] = draw(residual, gen, None if u is None else u[:, k:])
     return out, accepted
 
 
@@ -141,12 +187,16 @@ class SpecGenerator(FastGenerator):
     def __init__(self, cfg: Any, model: torch.nn.Module, fwd: LlamaFamilyForward, drafter: Any):
         super().__init__(cfg, model)
         self.fwd = fwd
-        self.runner = DecodeRunner(fwd, False)
+        self.runner = DecodeRunner(fwd, False)  # its tok / pos buffers: the rows' last token and position
+        self.graphs = SpecGraphs(fwd.device, cfg.cuda_graphs)
         self.prefill = self._prefill
         self.sync_every = 1
         self.k, self.drafter = cfg.speculative.tokens, drafter
         limit = cfg.speculative.max_batch
-        self.max_batch = AUTO_MAX_BATCH.get(fwd.device.type, 32) if limit == "auto" else limit
+        self.max_batch = auto_max_batch(fwd.device, cfg.cuda_graphs) if limit == "auto" else limit
+        # the step reads cache positions below a length bucket unless every forward is Triton's
+        draft_fwd = getattr(drafter, "fwd", None)
+        self._bucketed = not (fwd.use_triton and (draft_fwd is None or draft_fwd.use_triton))
         self.totals = {"steps": 0, "emitted": 0, "accepted": 0}  # row-steps; drained by the engine
 
     def generate(self, *args: Any, **kwargs: Any) -> list:
@@ -165,6 +215,9 @@ class SpecGenerator(FastGenerator):
     def _size_cache(self, prompts, steps: int, n: int) -> None:
         super()._size_cache(prompts, steps + self.k + 1, n)  # a block writes k past the last token
         self.drafter.allocate(self.fwd)
+        run, f = self.runner, self.fwd
+        self.graphs.prepare((f.weights_signature(), f.slots, f.max_len, f.k_cache.data_ptr(), run.tok.data_ptr(),
+                             run.pos.data_ptr(), self.drafter.signature()), f.slots, 2 * self.k + 1)
 
     def _refresh(self) -> None:
         self.fwd.refresh()
@@ -197,16 +250,41 @@ class SpecGenerator(FastGenerator):
                               self._need(live, t))
         return super()._retire(rows, live, t)
 
-    def _decode(self, live: int, t: int) -> None:
-        r, run, k, params = self.rows, self.runner, self.k, self.params
-        last, pos = run.tok[:live].clone(), run.pos[:live].clone()
-        drafts, q = self.drafter.propose(live, last, pos, k, params, self.gen)
-        hidden = forward_block(self.fwd, torch.cat([last[:, None], drafts], dim=1), pos)
+    def _step(self, size: int, length: int | None, u: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Drafts, the verify block and rejection sampling for rows ``[0, size)``: the ``k + 1``
+        candidate tokens, the drafts accepted, the tokens' log-probs and the block's hidden states.
+        ``length`` / ``u``: the attention length bucket and the uniforms of a CUDA graph (None:
+        eager, the length read from the positions and the uniforms drawn from the generator)."""
+        run, k, params, gen = self.runner, self.k, self.params, self.gen
+        last, pos = run.tok[:size], run.pos[:size]
+        drafts, q = self.drafter.propose(size, last, pos, k, params, gen, u=None if u is None else u[:, :k],
+                                         length=length)
+        hidden = forward_block(self.fwd, torch.cat([last[:, None], drafts], dim=1), pos, length=length)
         logits = lm_logits(self.fwd, hidden).float()
-        tokens, accepted = verify(logits if q is None else sampling_probs(logits, params), q, drafts, self.gen)
+        p = logits if q is None else sampling_probs(logits, params)
+        if u is None:
+            tokens, accepted = verify(p, q, drafts, gen)
+        else:
+            tokens, accepted = verify(p, q, drafts, gen, u[:, k:])
         temp = params.temperature if params.temperature > 0 else 1.0
         logps = torch.log_softmax(logits / temp, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
-        # emitted: up to the first rejection, the first stop token and the row's token budget
+        return tokens, accepted, logps, hidden
+
+    def _decode(self, live: int, t: int) -> None:
+        r, run, k, params = self.rows, self.runner, self.k, self.params
+        if r.tokens.shape[1] < self.steps + k + 1:  # room for a whole block past any row's count
+            pad = (0, self.steps + k + 1 - r.tokens.shape[1])
+            r.tokens, r.logps = F.pad(r.tokens, pad), F.pad(r.logps, pad)
+        if self.graphs.use_graphs:
+            need = self._need(live, t)
+            length = min(self.fwd.max_len, -(-need // DecodeRunner.LENGTH_STEP) * DecodeRunner.LENGTH_STEP)
+            mode = ("greedy",) if params.temperature <= 0 else (params.temperature, params.top_k, params.top_p)
+            tokens, accepted, logps, hidden = self.graphs.step(
+                self._step, live, length if self._bucketed else 0, length, mode, self.gen)
+        else:
+            tokens, accepted, logps, hidden = self._step(live, None, None)
+        # emitted: up to the first rejection, the first stop token and the row's token budget (a
+        # prefix of the block; the whole block is written, past the row's count, with no host sync)
         j = torch.arange(k + 1, device=tokens.device)
         keep = j <= accepted[:, None]
         hit = keep & torch.isin(tokens, self.stop)
@@ -215,17 +293,18 @@ class SpecGenerator(FastGenerator):
         n = keep.sum(1)
         at = torch.arange(live, device=tokens.device)
         cols = r.count[:live, None] + j
-        rr = at[:, None].expand_as(cols)
-        r.tokens[rr[keep], cols[keep]], r.logps[rr[keep], cols[keep]] = tokens[keep], logps[keep]
+        r.tokens[:live].scatter_(1, cols, tokens)
+        r.logps[:live].scatter_(1, cols, logps)
         r.length[:live] += n
         r.count[:live] += n
         r.done[:live] |= first_stop < n
+        prev = torch.where(n > 1, tokens[at, (n - 2).clamp(min=0)], run.tok[:live])
         run.tok[:live] = tokens[at, n - 1]
-        run.pos[:live] = pos + n
-        self.drafter.commit(live, hidden[at, n - 1], torch.where(n > 1, tokens[at, (n - 2).clamp(min=0)], last))
+        run.pos[:live] += n
+        self.drafter.commit(live, hidden[at, n - 1], prev)
         self.totals["steps"] += live
-        self.totals["emitted"] += int(n.sum())
-        self.totals["accepted"] += int(accepted.sum())
+        self.totals["emitted"] = n.sum() + self.totals["emitted"]  # on the device: no sync
+        self.totals["accepted"] = accepted.sum() + self.totals["accepted"]
 
     def drain(self) -> dict[str, float]:
         """``spec_accept_len`` (tokens a row gains per verify step, bonus included) and
@@ -233,6 +312,7 @@ class SpecGenerator(FastGenerator):
         s, self.totals = self.totals, {"steps": 0, "emitted": 0, "accepted": 0}
         if not s["steps"]:
             return {}
+        s = {key: int(v) for key, v in s.items()}
         return {"spec_accept_len": s["emitted"] / s["steps"],
                 "spec_accept_rate": s["accepted"] / (s["steps"] * self.k)}
 

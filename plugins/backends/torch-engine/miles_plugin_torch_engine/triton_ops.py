@@ -49,9 +49,10 @@ if triton is not None:
     @triton.jit
     def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr,
                            s_slot, s_head, s_pos, H: tl.constexpr, KV: tl.constexpr,
-                           D: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
+                           D: tl.constexpr, T: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)  # query row; its cache row is b // T
         j = tl.program_id(1)
+        slot = b // T
         d = tl.arange(0, D)
         row = qkv_ptr + (b * (H + 2 * KV) + j) * D
         x = tl.load(row + d)
@@ -66,9 +67,9 @@ if triton is not None:
             if j < H:
                 tl.store(q_ptr + (b * H + j) * D + d, y)
             else:
-                tl.store(k_ptr + b * s_slot + (j - H) * s_head + p * s_pos + d, y)
+                tl.store(k_ptr + slot * s_slot + (j - H) * s_head + p * s_pos + d, y)
         else:
-            tl.store(v_ptr + b * s_slot + (j - H - KV) * s_head + p * s_pos + d, x)
+            tl.store(v_ptr + slot * s_slot + (j - H - KV) * s_head + p * s_pos + d, x)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -130,7 +131,7 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale, s_slot, s_head, s_pos,
                                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr, T: tl.constexpr):
         """One (row, KV head): its ``G`` query heads (padded to ``GP`` rows for ``tl.dot``) over
         cache positions ``<= pos[row]`` in blocks of ``BLOCK_N``, with an online softmax (float32
         scores and sums; probabilities cast to the cache dtype for the product with V, as flash
@@ -143,7 +144,7 @@ if triton is not None:
         rows = (b * (tl.num_programs(1) * G) + kv * G + g)[:, None] * D + d[None, :]
         q_mask = (g < G)[:, None] & (d < D)[None, :]
         q = tl.load(q_ptr + rows, mask=q_mask, other=0.0)
-        base = b * s_slot + kv * s_head
+        base = (b // T) * s_slot + kv * s_head  # T query rows per cache row
         end = tl.load(pos_ptr + b) + 1
         top = tl.full((GP,), float("-inf"), tl.float32)
         total = tl.zeros((GP,), tl.float32)
@@ -177,14 +178,16 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, norm) -> torch.Ten
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+               per_row: int = 1) -> torch.Tensor:
     """Rotate q and k of ``qkv [B, H + 2 KV, D]`` at ``pos``; write k and v into the layer's cache
-    ``[slots, KV, L, D]`` at (row b, ``pos[b]``); return the rotated q ``[B, H, D]``."""
+    ``[slots, KV, L, D]`` at (row b, ``pos[b]``); return the rotated q ``[B, H, D]``. ``per_row``
+    tokens per cache row (a speculative verify block): token b goes to row ``b // per_row``."""
     B, _, D = qkv.shape
     q = torch.empty((B, heads, D), dtype=qkv.dtype, device=qkv.device)
     s_slot, s_head, s_pos, _ = k_cache.stride()
     _rope_store_kernel[(B, heads + 2 * kv_heads)](qkv, cos, sin, pos, q, k_cache, v_cache, s_slot,
-                                                  s_head, s_pos, H=heads, KV=kv_heads, D=D)
+                                                  s_head, s_pos, H=heads, KV=kv_heads, D=D, T=per_row)
     return q
 
 
@@ -223,10 +226,11 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor | None) 
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, per_row: int = 1) -> torch.Tensor:
     """Attention of one query position per row: ``q [B, H, D]`` over the layer's cache
     ``[slots, KV, L, D]`` rows ``0..B-1`` at positions ``<= pos[b]``; returns ``[B, H, D]``. Reads
-    only each row's own positions (SDPA with a mask reads the whole bucket)."""
+    only each row's own positions (SDPA with a mask reads the whole bucket). ``per_row`` queries per
+    cache row (a speculative verify block, each at its own position): query b reads row ``b // per_row``."""
     B, H, D = q.shape
     KV = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -234,5 +238,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_attention_kernel[(B, KV)](q, k_cache, v_cache, pos, out, scale, s_slot, s_head, s_pos,
                                       G=H // KV, GP=max(16, triton.next_power_of_2(H // KV)), D=D,
                                       DP=max(16, triton.next_power_of_2(D)), BLOCK_N=64,
-                                      IEEE=q.dtype == torch.float32)
+                                      IEEE=q.dtype == torch.float32, T=per_row)
     return out
