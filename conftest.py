@@ -2,6 +2,7 @@
 connectors' own virtualenvs (NeMo Gym, Harbor, Verifiers: minutes each) start building in the
 background as soon as tests that use them are collected, while the other tests run; a test that
 needs one waits on the build's lock (``scripts/make_venv.sh``)."""
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -11,6 +12,8 @@ CONNECTORS = ("nemo-gym", "harbor", "verifiers")
 
 
 def pytest_collection_finish(session):
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":  # every worker collects; one starts the builds
+        return
     wanted = {c for c in CONNECTORS for item in session.items
               if f"plugins/envs/{c}/" in str(item.path).replace("\\", "/")}
     logs = Path(tempfile.gettempdir()) / "miles-venv-logs"

@@ -13,6 +13,7 @@ training FLOPs per token = 6 * (matmul weights, LM head included) + 6 * layers *
 
     python benchmarks/trainer_megatron_vs_fsdp2.py --device cuda [--samples 512] [--seq 1024]
         [--micro 16] [--steps 3] [--compile]
+    python benchmarks/trainer_megatron_vs_fsdp2.py --shape qwen2-1.5b --precisions bf16 fp8 mxfp8
 
 The last line reads ``trainer megatron/fsdp2 tokens/s ratio R (megatron T tok/s MFU M%, fsdp2 ...)``.
 """
@@ -27,6 +28,9 @@ import torch
 
 QWEN2_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936}
+# Qwen2.5-1.5B's decoder (random init, 32k vocabulary): the dense shape of the FP8 training figure
+QWEN2_15B = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 32000}
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256}
 
@@ -87,7 +91,7 @@ def run(name: str, trainer: Any, batch: Any, steps: int, device: str) -> float:
     return sec
 
 
-def make(kind: str, spec: Spec, args: argparse.Namespace) -> Any:
+def make(kind: str, spec: Spec, args: argparse.Namespace, precision: str = "bf16") -> Any:
     if kind == "megatron":
         from miles_plugin_megatron.config import MegatronConfig
         from miles_plugin_megatron.trainer import MegatronTrainer
@@ -99,8 +103,11 @@ def make(kind: str, spec: Spec, args: argparse.Namespace) -> Any:
     from miles_plugin_fsdp2.trainer import FSDP2Trainer
 
     cfg = FSDP2Config(device=args.device, shard=args.device.startswith("cuda"), mixed_precision="bf16",
-                      micro_batch_size=args.micro, lr=1e-5, compile=args.compile)
+                      micro_batch_size=args.micro, lr=1e-5, compile=args.compile, precision=precision)
     return FSDP2Trainer(cfg, spec=spec, tokenizer=None, total_steps=10)
+
+
+SHAPES = {"qwen2-0.5b": QWEN2_05B, "qwen2-1.5b": QWEN2_15B, "tiny": TINY}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--shape", choices=["qwen2-0.5b", "tiny"], default="qwen2-0.5b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-0.5b")
+    ap.add_argument("--precisions", nargs="+", choices=["bf16", "fp8", "mxfp8"], default=None,
+                    help="instead of megatron against fsdp2: fsdp2 at each trainer.precision, ratios to the first")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--only", choices=["megatron", "fsdp2"], default=None)
     ap.add_argument("--compile", action="store_true", help="both with trainer.compile (compiled decoder layers)")
@@ -122,23 +131,29 @@ def main(argv: list[str] | None = None) -> None:
         args.shape, args.samples, args.seq, args.prompt, args.micro, args.steps = "tiny", 4, 32, 8, 2, 1
         if not torch.cuda.is_available():
             args.device, args.only = "cpu", "fsdp2"
-    shape = QWEN2_05B if args.shape == "qwen2-0.5b" else TINY
+    shape = SHAPES[args.shape]
     spec, batch = Spec(shape, args.seq), make_batch(args.samples, args.seq, args.prompt, shape["vocab_size"])
     tokens = args.samples * args.seq
     flops = train_flops_per_token(shape, args.seq)
     print(f"{args.shape}: {args.samples} rows x {args.seq} tokens, micro-batch {args.micro}, "
           f"{flops / 1e9:.2f} GFLOP/token (training), peak {args.peak_tflops:.0f} TFLOP/s")
     out = {}
-    for kind in [k for k in ("megatron", "fsdp2") if args.only in (None, k)]:
-        trainer = make(kind, spec, args)
-        sec = run(kind, trainer, batch, args.steps, args.device)
-        out[kind] = (tokens / sec, tokens * flops / sec / (args.peak_tflops * 1e12))
+    runs = [(f"fsdp2 {p}", "fsdp2", p) for p in args.precisions] if args.precisions else \
+        [(k, k, "bf16") for k in ("megatron", "fsdp2") if args.only in (None, k)]
+    for name, kind, precision in runs:
+        trainer = make(kind, spec, args, precision)
+        sec = run(name, trainer, batch, args.steps, args.device)
+        out[name] = (tokens / sec, tokens * flops / sec / (args.peak_tflops * 1e12))
         del trainer
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     parts = ", ".join(f"{k} {t:,.0f} tok/s MFU {100 * m:.1f}%" for k, (t, m) in out.items())
-    if len(out) == 2:
+    if args.precisions:
+        base = out[runs[0][0]][0]
+        print("trainer precision tokens/s ratios " + ", ".join(f"{k} {t / base:.2f}x" for k, (t, _) in out.items())
+              + f" ({parts})")
+    elif len(out) == 2:
         print(f"trainer megatron/fsdp2 tokens/s ratio {out['megatron'][0] / out['fsdp2'][0]:.2f} ({parts})")
     else:
         print(f"trainer tokens/s ({parts})")
