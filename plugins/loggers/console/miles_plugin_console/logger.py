@@ -51,8 +51,9 @@ class ConsoleLogger:
         self.console.print("  ".join(parts))
 
     def message(self, text: str) -> None:
-        """A notice or warning line from the run (printed above any progress bar)."""
-        self.console.print(text)
+        """A notice or warning line from the run (printed above any progress bar). Soft-wrapped:
+        the terminal folds it, so a path or command in it is never cut into pieces."""
+        self.console.print(text, soft_wrap=True)
 
     def progress(self, phase: str, done: int, total: int) -> None:
         """``done`` of the ``total`` units of a long phase are finished (``done == total`` ends it)."""
