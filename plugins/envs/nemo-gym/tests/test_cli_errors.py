@@ -1,9 +1,11 @@
-"""Bad input to the connector's commands, run as a user runs them: one line naming the flag and
-the fix, exit 2, no traceback, and nothing slow (the NeMo Gym venv) started first."""
+"""Bad input to the connector's commands: one line naming the flag and the fix, exit 2, no
+traceback, and nothing slow (the NeMo Gym venv) started first. The first test runs the launcher as a
+user runs it (``python -m``); the others call the same ``main(argv)`` in this process."""
 import socket
+import subprocess
 
 import pytest
-from miles.testing import assert_usage_error, listening_port, run_module as run
+from miles.testing import assert_usage_error, listening_port, run_module
 
 
 @pytest.fixture
@@ -22,17 +24,35 @@ LAUNCH = "miles_plugin_nemo_gym.launch"
 PROG = f"python -m {LAUNCH}"
 
 
+@pytest.fixture
+def run(capsys):
+    """``run(module, *args)``: the module's ``main(args)`` in this process, its exit code (returned
+    or raised as SystemExit) and its captured output as a CompletedProcess."""
+    import importlib
+
+    def call(module: str, *args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = importlib.import_module(module).main(list(args))
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess([module, *args], code, out.out, out.err)
+
+    return call
+
+
 def test_a_policy_url_with_nothing_behind_it_fails_before_the_venv_is_built(tmp_path):
     # a venv build that would fail at once: the URL's error must come first
     env = {"NEMO_GYM_PYTHON": str(tmp_path / "no-python"), "NEMO_GYM_VENV": str(tmp_path / "venv")}
     url = f"http://127.0.0.1:{closed_port()}/v1"
-    p = run(LAUNCH, "--policy-url", url, "--work-dir", str(tmp_path / "w"), "--wait-policy", "0", env=env)
+    p = run_module(LAUNCH, "--policy-url", url, "--work-dir", str(tmp_path / "w"), "--wait-policy", "0", env=env)
     assert_usage_error(p, PROG, f"no model listed at {url}/models", "is miles serve running there?",
                        "--policy-url")
     assert not (tmp_path / "venv").exists()
 
 
-def test_the_launcher_waits_for_a_policy_server_that_starts_later(tmp_path):
+def test_the_launcher_waits_for_a_policy_server_that_starts_later(tmp_path, run):
     """The README starts miles serve and the launcher together: a server that comes up a few
     seconds later is waited for (up to --wait-policy), one that never does is named after it."""
     import http.server
@@ -71,12 +91,12 @@ def test_the_launcher_waits_for_a_policy_server_that_starts_later(tmp_path):
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:30000/v1", "http://[::1/v1", "http://127.0.0.1:99999/v1"])
-def test_a_policy_url_that_is_no_url_is_named(tmp_path, url):
+def test_a_policy_url_that_is_no_url_is_named(tmp_path, url, run):
     p = run(LAUNCH, "--policy-url", url, "--work-dir", str(tmp_path / "w"))
     assert_usage_error(p, PROG, f"--policy-url {url!r} is not an http(s) URL", "http://127.0.0.1:30000/v1")
 
 
-def test_a_port_in_use_is_named(tmp_path, busy_port):
+def test_a_port_in_use_is_named(tmp_path, busy_port, run):
     url = f"http://127.0.0.1:{closed_port()}/v1"
     p = run(LAUNCH, "--policy-url", url, "--agent-port", str(busy_port), "--work-dir", str(tmp_path / "w"))
     assert_usage_error(p, PROG, f"--agent-port {busy_port}: 127.0.0.1:{busy_port} is in use",
@@ -87,13 +107,13 @@ def test_a_port_in_use_is_named(tmp_path, busy_port):
     assert_usage_error(p, PROG, "--agent-port and --head-port are both 9100")
 
 
-def test_a_work_dir_that_cannot_be_a_folder_is_named(tmp_path):
+def test_a_work_dir_that_cannot_be_a_folder_is_named(tmp_path, run):
     (tmp_path / "file").write_text("")
     p = run(LAUNCH, "--policy-url", f"http://127.0.0.1:{closed_port()}/v1", "--work-dir", str(tmp_path / "file/w"))
     assert_usage_error(p, PROG, f"--work-dir {tmp_path / 'file/w'}: cannot create the folder")
 
 
-def test_the_tiny_policy_into_a_file_is_a_usage_error(tmp_path):
+def test_the_tiny_policy_into_a_file_is_a_usage_error(tmp_path, run):
     (tmp_path / "file").write_text("")
     module = "miles_plugin_nemo_gym.tiny_policy"
     for folder in (tmp_path / "file", tmp_path / "file/p"):
