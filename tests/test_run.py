@@ -1,12 +1,19 @@
-"""End-to-end runs of the CLI on a tiny config: metrics, plugins taking effect, resume, kill -9."""
+"""End-to-end runs of the CLI on a tiny config: metrics, plugins taking effect, resume, kill -9.
+
+Most commands run in this process (``miles.cli.main``, what ``python -m miles.cli`` calls); a
+subprocess only where the test needs one: a run to kill, and an installed plugin on PYTHONPATH."""
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+from miles.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,10 +24,26 @@ def rows(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_tiny_run_logs_every_step_and_evaluates(cli, tmp_path):
-    out = tmp_path / "run"
-    r = cli("train", TINY, f"run.out_dir={out}")
+def miles(capsys, *args) -> tuple[int, str]:
+    """``miles <args>`` in this process, on tests/tiny.yaml where args name it: (exit code, stdout)."""
+    capsys.readouterr()
+    code = main([str(ROOT / a) if a == TINY else a for a in args])
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """tests/tiny.yaml run to its end (6 steps, warm start first), by the CLI in a subprocess; the
+    tests below only read it (or a copy)."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    r = subprocess.run([sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}"], cwd=ROOT,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_tiny_run_logs_every_step_and_evaluates(tiny_run):
+    out = tiny_run
     got = rows(out)
     assert [g["step"] for g in got] == list(range(0, 7))
     assert "eval_accuracy" in got[0] and "reward_mean" not in got[0]
@@ -34,17 +57,17 @@ def test_tiny_run_logs_every_step_and_evaluates(cli, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004", "step_000006"]
 
 
-def test_rerun_resumes_without_repeating(cli, tmp_path):
+def test_rerun_resumes_without_repeating(tiny_run, tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli("train", TINY, f"run.out_dir={out}", "run.steps=4").returncode == 0
-    r = cli("train", TINY, f"run.out_dir={out}", "run.steps=6")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from step 4" in r.stdout
-    assert "warm start" not in r.stdout  # the warm start is not redone
-    assert [g["step"] for g in rows(out)] == list(range(0, 7))
+    shutil.copytree(tiny_run, out)  # 6 steps, checkpoints at 4 and 6
+    code, stdout = miles(capsys, "train", TINY, f"run.out_dir={out}", "run.steps=8")
+    assert code == 0
+    assert "resuming from step 6" in stdout
+    assert "warm start" not in stdout  # the warm start is not redone
+    assert [g["step"] for g in rows(out)] == list(range(0, 9))
 
 
-def test_kill_9_mid_run_then_rerun_logs_each_step_once(tmp_path):
+def test_kill_9_mid_run_then_rerun_logs_each_step_once(tmp_path, capsys):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}", "run.steps=14",
            "run.checkpoint_every=3"]
@@ -59,8 +82,7 @@ def test_kill_9_mid_run_then_rerun_logs_each_step_once(tmp_path):
     proc.wait()
     killed_at = len(metrics.read_text().splitlines())
     assert killed_at < 15, "the run finished before it could be killed"
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert miles(capsys, *cmd[3:])[0] == 0  # the same command again
     assert [g["step"] for g in rows(out)] == list(range(0, 15))
 
 
@@ -123,48 +145,44 @@ def test_installed_plugin_hooks_and_launch_time_loss_take_effect(cli, tmp_path, 
     assert all(e["reward_mean"] == got[e["step"]].get("reward_mean") for e in events if e["kind"] == "step")
 
 
-def test_eval_and_export_give_a_folder_transformers_loads_with_the_same_logits(cli, tmp_path):
+def test_eval_and_export_give_a_folder_transformers_loads_with_the_same_logits(tiny_run, tmp_path, capsys):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out, dest = tmp_path / "run", tmp_path / "hf"
-    assert cli("train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start=null").returncode == 0
-    r = cli("eval", TINY, f"run.out_dir={out}")
-    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["step"] == 2
-    assert 0.0 <= json.loads(r.stdout.splitlines()[-1])["eval_accuracy"] <= 1.0
-    r = cli("export", str(out), "--to", str(dest))
-    assert r.returncode == 0, r.stderr[-2000:]
+    out, dest = tiny_run, tmp_path / "hf"
+    code, stdout = miles(capsys, "eval", TINY, f"run.out_dir={out}")
+    assert code == 0 and json.loads(stdout.splitlines()[-1])["step"] == 6
+    assert 0.0 <= json.loads(stdout.splitlines()[-1])["eval_accuracy"] <= 1.0
+    assert miles(capsys, "export", str(out), "--to", str(dest))[0] == 0
     model = AutoModelForCausalLM.from_pretrained(dest).eval()
     tok = AutoTokenizer.from_pretrained(dest)
     from miles_plugin_fsdp2.checkpoint import read_model  # the trainer checkpoints in DCP format
 
-    state = read_model(str(out / "checkpoints" / "step_000002" / "trainer"))
+    state = read_model(str(out / "checkpoints" / "step_000006" / "trainer"))
     ids = torch.tensor([tok.encode("3+4=", add_special_tokens=False)])
     assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
     ref = AutoModelForCausalLM.from_config(model.config)
     ref.load_state_dict(state)
     torch.testing.assert_close(model(ids).logits, ref.eval()(ids).logits, rtol=0, atol=0)
-    assert cli("export", str(tmp_path / "nope"), "--to", str(dest)).returncode == 2
+    assert miles(capsys, "export", str(tmp_path / "nope"), "--to", str(dest))[0] == 2
 
 
-def test_disk_transport_end_to_end_with_verification(cli, tmp_path):
+def test_disk_transport_end_to_end_with_verification(tmp_path, capsys):
     out = tmp_path / "run"
-    r = cli("train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start=null",
-            "sync.name=disk", "sync.verify=true", "algorithm.filter_zero_variance=false")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert miles(capsys, "train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start=null",
+                 "sync.name=disk", "sync.verify=true", "algorithm.filter_zero_variance=false")[0] == 0
     got = rows(out)
     assert all(g["weight_sync_bytes"] > 0 for g in got[1:])
     assert (out / "weights" / "LATEST").read_text().strip().endswith("2")
 
 
-def test_minibatches_recompute_old_logprobs_and_move_the_ratio(cli, tmp_path):
+def test_minibatches_recompute_old_logprobs_and_move_the_ratio(tmp_path, capsys):
     out, reward = tmp_path / "run", tmp_path / "first_char.py"
     # a reward a random model gets sometimes, so the advantages are not all zero
     reward.write_text("from miles import hookimpl\n@hookimpl\ndef miles_reward(sample):\n"
                       "    return float(sample.response[:1] in '01234')\n")
-    r = cli("train", TINY, "--plugin", str(reward), f"run.out_dir={out}", "run.steps=2",
-            "run.warm_start=null", "rollout.minibatches=2", "trainer.lr=0.01")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert miles(capsys, "train", TINY, "--plugin", str(reward), f"run.out_dir={out}", "run.steps=2",
+                 "run.warm_start=null", "rollout.minibatches=2", "trainer.lr=0.01")[0] == 0
     got = rows(out)[1:]
     # the second optimizer step of a rollout batch sees a policy that already moved: ratio != 1
     assert all(abs(g["ppo_kl"]) > 0 for g in got)
@@ -202,13 +220,12 @@ def test_async_run_pushes_weights_in_the_background_and_ends_on_the_last_version
     W.verify([loop.components.engine], want, loop.version)
 
 
-def test_warm_start_lr_schedule_spans_the_warm_start(cli, tmp_path):
+def test_warm_start_lr_schedule_spans_the_warm_start(tmp_path, capsys):
     """The warm start's LR schedule runs over its own max_steps, not over the RL run's steps."""
     out = tmp_path / "run"
-    r = cli("train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start.max_steps=10",
-            "run.warm_start.min_steps=10", "run.warm_start.trainer.schedule=linear",
-            "run.warm_start.trainer.warmup_steps=0")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert miles(capsys, "train", TINY, f"run.out_dir={out}", "run.steps=2", "run.warm_start.max_steps=10",
+                 "run.warm_start.min_steps=10", "run.warm_start.trainer.schedule=linear",
+                 "run.warm_start.trainer.warmup_steps=0")[0] == 0
     logged = [json.loads(line) for line in (out / "warm_start.jsonl").read_text().splitlines()]
     # step k trains at lr * (1 - (k - 1) / 10); over run.steps=2 it would be 0 from step 3 on
     assert [g["step"] for g in logged] == [5, 10]
