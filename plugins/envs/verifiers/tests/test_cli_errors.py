@@ -1,5 +1,7 @@
 """Bad input to the connector's commands (the policy folder writer, the worker in verifiers' own
-virtualenv), run as a user runs them: one line naming the argument and the fix, exit 2, no traceback."""
+virtualenv): one line naming the argument and the fix, exit 2, no traceback. The worker and the
+writer's first case run as a user runs them; the writer's other cases call the same ``main(argv)``
+in this process."""
 import socket
 import subprocess
 from pathlib import Path
@@ -18,13 +20,24 @@ def busy_port():
         yield port
 
 
-def policy(*args: str) -> subprocess.CompletedProcess:
-    return run_module(POLICY, *args)
+@pytest.fixture
+def policy(capsys):
+    """``policy(*args)``: the writer's ``main(args)`` in this process, its exit code and captured
+    output as a CompletedProcess."""
+    from miles_plugin_verifiers.policy import main
+
+    def call(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        code = main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess([POLICY, *args], code, out.out, out.err)
+
+    return call
 
 
-def test_the_policy_writer_names_a_missing_recipe_a_bad_key_and_an_unwritable_folder(tmp_path):
+def test_the_policy_writer_names_a_missing_recipe_a_bad_key_and_an_unwritable_folder(tmp_path, policy):
     out = tmp_path / "m"
-    assert_usage_error(policy(str(tmp_path / "nope.yaml"), str(out)), f"python -m {POLICY}",
+    assert_usage_error(run_module(POLICY, str(tmp_path / "nope.yaml"), str(out)), f"python -m {POLICY}",
                        f"file {tmp_path / 'nope.yaml'} does not exist")
     assert_usage_error(policy(RECIPE, str(out), "model.hidden=8"), f"python -m {POLICY}",
                        "model.hidden: unknown key; allowed keys:")
