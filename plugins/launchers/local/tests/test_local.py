@@ -62,19 +62,6 @@ def wait_for(pred, proc, timeout=300):
     raise AssertionError("timed out")
 
 
-def test_disaggregated_engine_process_then_clean_exit(tmp_path):
-    out = tmp_path / "run"
-    rc, stdout, err = finish(launch(out, "launcher.engines=1", "run.steps=4", "sync.name=tensor",
-                                    "sync.verify=true"))
-    assert rc == 0, err[-3000:]
-    got = rows(out)
-    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
-    assert all(r["weight_sync_bytes"] > 0 for r in got[1:] if r["groups_kept"])
-    assert "listening on" in (out / "logs" / "engine-0.log").read_text()
-    assert (out / "launch" / "trainer.yaml").is_file()
-    assert run_processes(out) == []
-
-
 @pytest.mark.parametrize("transport,mode", [("disk", "sync"), ("broadcast", "sync"), ("broadcast", "async")])
 def test_killed_engine_is_restarted_resynced_and_no_group_is_lost(tmp_path, transport, mode):
     out = tmp_path / "run"
@@ -187,6 +174,8 @@ def miles_filter(group):
 
 
 def test_async_partial_rollout_resumes_in_flight_requests_on_new_weights(tmp_path):
+    """Also the disaggregated engine process itself: the tensor transport's pushes to it, verified
+    by checksum, its log, the trainers' launch config, and a clean exit with nothing left."""
     out, seen = tmp_path / "run", tmp_path / "samples.jsonl"
     plugin = tmp_path / "record_samples.py"
     plugin.write_text(RECORD_SAMPLES.format(path=str(seen)))
@@ -196,7 +185,7 @@ def test_async_partial_rollout_resumes_in_flight_requests_on_new_weights(tmp_pat
                                "run.mode=async", "rollout.in_flight=resume", "run.warm_start=null",
                                "engine.impl=hf", "model.config.max_position_embeddings=128",
                                "rollout.max_new_tokens=64", "algorithm.filter_zero_variance=false",
-                               f"plugins=[{plugin}]"))
+                               "sync.name=tensor", "sync.verify=true", f"plugins=[{plugin}]"))
     assert rc == 0, err[-3000:]
     assert "restarted" not in err, err[-3000:]  # aborted requests must not read as a server restart
     got = rows(out)
@@ -208,4 +197,7 @@ def test_async_partial_rollout_resumes_in_flight_requests_on_new_weights(tmp_pat
     resumed = [s for s in samples if len(s["versions"]) > 1]
     assert resumed and all(len(set(s["versions"])) >= 2 for s in resumed)
     assert sum(r["resumed_samples"] for r in got[1:]) > 0
+    assert all(r["weight_sync_bytes"] > 0 for r in got[1:] if r["groups_kept"])
+    assert "listening on" in (out / "logs" / "engine-0.log").read_text()
+    assert (out / "launch" / "trainer.yaml").is_file()
     assert run_processes(out) == []
