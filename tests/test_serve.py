@@ -283,11 +283,19 @@ def test_sglang_plugin_routes_updates_weights_and_survives_kill_9(servers, model
     engine = pm.create("engines", "sglang", cfg, spec=None, tokenizer=None, seed=0)
     try:
         params = SamplingParams(max_new_tokens=6)
+        loads = engine.engine_stats()
         outs = engine.generate([[2, 5 + i] for i in range(8)], params, n=3)
         assert [len(o) for o in outs] == [3] * 8
         for c in (c for o in outs for c in o):
             assert len(c.token_ids) == len(c.logprobs) and all(lp <= 0 for lp in c.logprobs)
             assert c.finish_reason in ("stop", "length")
+        # the servers' load from their /metrics (EngineStats): the tokens generated are those returned
+        after = engine.engine_stats()
+        assert [r["name"] for r in after] == [s.url for s in servers]
+        for r in after:
+            assert r["running"] == r["queued"] == 0 and 0 <= r["kv_cache_usage"] <= 1 and "stale" not in r
+        grown = sum(r["generated_tokens"] for r in after) - sum(r["generated_tokens"] for r in loads)
+        assert grown == sum(len(c.token_ids) for o in outs for c in o)
         served = {u: st["served"] for u, st in engine.server_stats().items()}
         assert all(n > 0 for n in served.values()), served  # least-outstanding routing spread the load
         # new weights to both servers, checked by version and checksums
@@ -321,6 +329,9 @@ def test_sglang_plugin_routes_updates_weights_and_survives_kill_9(servers, model
         # (2, or 1 if a health check already saw the kill): the survivor answers all of them
         assert engine.server_stats()[survivor.url]["served"] - before in (1, 2)
         assert engine.health() == {survivor.url: True, victim.url: False}
+        t = time.monotonic()
+        dead = engine.engine_stats()[1]  # never raises: the killed server's last reading, marked stale
+        assert time.monotonic() - t < 3 and dead["stale"] and dead["generated_tokens"] == after[1]["generated_tokens"]
         # a weight update now reaches the survivor; the dead server misses it, no error, and stays
         # out of rotation (stale) until it is back and re-synced
         engine.load_weights(named, 7)

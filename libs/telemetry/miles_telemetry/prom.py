@@ -54,6 +54,52 @@ def exposition(reg: Any) -> bytes:
     return generate_latest(reg)
 
 
+# an engine reading's keys (miles.protocols.EngineStats) -> the names that carry them on a server's
+# /metrics: `miles serve`'s, then SGLang's (python/sglang/srt/metrics/collector.py; `--enable-metrics`),
+# and how several samples of one name (labels: dp/tp ranks) combine
+ENGINE_READINGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "running": (("miles_engine_running_sequences", "sglang:num_running_reqs"), "sum"),
+    "queued": (("miles_engine_queued_sequences", "sglang:num_queue_reqs"), "sum"),
+    "kv_cache_usage": (("miles_engine_kv_cache_usage", "sglang:token_usage"), "mean"),
+    "generated_tokens": (("miles_engine_generated_tokens_total", "sglang:generation_tokens_total"), "sum"),
+    "spec_accept_rate": (("miles_engine_spec_accept_rate", "sglang:spec_accept_rate"), "mean"),
+}
+
+
+def parse_samples(text: str) -> dict[str, list[float]]:
+    """The sample values of a Prometheus text exposition by metric name (labels dropped; comment
+    and malformed lines skipped)."""
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        if brace != -1 and brace < line.find(" "):
+            name, rest = line[:brace], line[line.rfind("}") + 1:]
+        else:
+            name, _, rest = line.partition(" ")
+        try:
+            out.setdefault(name, []).append(float(rest.split()[0]))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def engine_reading(text: str) -> dict[str, float]:
+    """An engine reading (running, queued, kv_cache_usage, generated_tokens, spec_accept_rate: the
+    ones present) from a server's ``/metrics`` text, `miles serve`'s or SGLang's."""
+    samples = parse_samples(text)
+    out: dict[str, float] = {}
+    for key, (names, how) in ENGINE_READINGS.items():
+        vals = next((samples[n] for n in names if samples.get(n)), None)
+        if vals:
+            out[key] = sum(vals) if how == "sum" else sum(vals) / len(vals)
+    if not any(samples.get("sglang:spec_accept_length") or [0.0]) and "miles_engine_spec_accept_rate" not in samples:
+        out.pop("spec_accept_rate", None)  # SGLang exports 0 when it does no speculative decoding
+    return out
+
+
 class StepGauges:
     """The latest step's metrics as gauges (plus ``miles_steps_logged_total``), served on a port of
     their own by ``prometheus_client``'s HTTP server: a trainer's rank 0 exposes them for scraping."""

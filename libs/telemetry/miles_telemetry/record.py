@@ -66,6 +66,7 @@ class RunRecorder:
         self._cost = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_tokens: dict[str, tuple[float, float]] = {}  # engine -> (time, generated_tokens)
         self.step = 0
 
     # -- the run's side ----------------------------------------------------------------------------
@@ -182,6 +183,21 @@ class RunRecorder:
                 "rollout_logprobs": [round(float(v), 5) for v in (s.logprobs or [])],
                 "train_logprobs": e["train"], "loss_mask": list(s.loss_mask or [1] * len(ids))}
 
+    def _with_rates(self, engines: Sequence[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+        """The readings, each with ``tokens_per_s``: its ``generated_tokens`` since the engine's
+        previous fresh reading (by name, else position), over the time between them."""
+        out = []
+        for i, e in enumerate(engines):
+            e = dict(e)
+            tokens, key = e.get("generated_tokens"), str(e.get("name", i))
+            if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and not e.get("stale"):
+                prev = self._last_tokens.get(key)
+                if prev is not None and now > prev[0]:
+                    e["tokens_per_s"] = round(max(tokens - prev[1], 0) / (now - prev[0]), 3)
+                self._last_tokens[key] = (now, tokens)
+            out.append(e)
+        return out
+
     def _read_devices(self) -> None:
         from .devices import DeviceReader
 
@@ -191,7 +207,7 @@ class RunRecorder:
             row = {"step": self.step, **reader.read()}
             if self.engine_stats is not None:
                 try:
-                    row["engines"] = self.engine_stats()
+                    row["engines"] = self._with_rates(self.engine_stats(), time.time())
                 except Exception as e:  # noqa: BLE001 - an engine that cannot answer now is shown as such
                     row["engines_error"] = f"{type(e).__name__}: {e}"[:200]
             self._devices.write(row)

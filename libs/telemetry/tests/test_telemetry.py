@@ -105,6 +105,29 @@ def test_recorder_writes_spans_samples_and_devices(tmp_path):
     assert len(dev) >= 2 and dev[-1]["rss_bytes"] > 0 and dev[-1]["engines"] == [{"name": "e0", "running": 2.0}]
 
 
+def test_engine_readings_get_their_tokens_per_second():
+    rec = RunRecorder()
+    first = rec._with_rates([{"name": "a", "generated_tokens": 100}, {"running": 1}], 10.0)
+    assert first == [{"name": "a", "generated_tokens": 100}, {"running": 1}]  # nothing to compare with yet
+    later = rec._with_rates([{"name": "a", "generated_tokens": 400}, {"name": "b", "generated_tokens": 5}], 12.0)
+    assert later[0]["tokens_per_s"] == 150.0 and "tokens_per_s" not in later[1]
+    stale = rec._with_rates([{"name": "a", "generated_tokens": 400, "stale": True}], 14.0)
+    assert "tokens_per_s" not in stale[0]  # a server's last reading repeated: no rate from it
+    assert rec._with_rates([{"name": "a", "generated_tokens": 300}], 16.0)[0]["tokens_per_s"] == 0.0  # restarted
+
+
+def test_engine_reading_from_metrics_text():
+    from miles_telemetry.prom import engine_reading, parse_samples
+
+    text = ('# HELP x y\nsglang:num_running_reqs{a="1 }",b="2"} 2\nsglang:num_running_reqs{a="2"} 3 1700000\n'
+            'sglang:token_usage{a="1"} 0.2\nsglang:token_usage{a="2"} 0.4\nsglang:spec_accept_rate 0.6\n'
+            'sglang:spec_accept_length 1.8\nmiles_engine_queued_sequences 4\nbroken{\nalso_broken x\n')
+    assert parse_samples(text)["sglang:num_running_reqs"] == [2.0, 3.0]
+    assert engine_reading(text) == {"running": 5.0, "queued": 4.0, "kv_cache_usage": pytest.approx(0.3),
+                                    "spec_accept_rate": 0.6}
+    assert engine_reading("") == {}
+
+
 def test_step_gauges_parse_with_the_official_parser():
     from miles_telemetry.prom import StepGauges
 

@@ -26,6 +26,7 @@ from miles.protocols import RecordsRouting
 from .config import SGLangEngineConfig
 from .router import Router, Server, int_version
 from .routing import attach, join_routed
+from .stats import ServerStats
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
@@ -54,6 +55,7 @@ class SGLangEngine:
         self._thread.start()
         api_key = cfg.api_key or os.environ.get(cfg.api_key_env) or None
         self.router: Router = self._run(self._make_router(api_key))
+        self._stats = ServerStats(self.router, self._loop)
         self._health_task = None
         self._weights_dir = cfg.weights_dir
         try:
@@ -392,6 +394,12 @@ class SGLangEngine:
         """Probe every server now: ``{url: healthy}`` (also updates the routing)."""
         ok = self._run(self.router.probe_all())
         return {s.url: h for s, h in zip(self.router.servers, ok)}
+
+    def engine_stats(self) -> list[dict[str, Any]]:
+        """Each server's load from its ``GET /metrics`` (``miles.protocols.EngineStats``): running
+        and queued sequences, KV cache use, tokens generated, speculative acceptance; waits at
+        most ``stats.TIMEOUT_S``, a server that does not answer keeps its last reading (stale)."""
+        return self._stats.read()
 
     def server_stats(self) -> dict[str, dict]:
         """Per server: requests answered, outstanding, healthy, stale."""

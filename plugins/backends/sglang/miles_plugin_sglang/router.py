@@ -216,6 +216,14 @@ class Router:
                 server.abandoned.add(req)
                 req.cancel()
 
+    async def scrape(self, server: Server, path: str, timeout: float) -> str:
+        """``GET path`` of one server as text (its ``/metrics``), within ``timeout`` seconds; not a
+        routed request (no retries, not counted in its load). ``MilesError`` on an HTTP error."""
+        r = await self._client.get(server.url + path, headers=self._headers, timeout=timeout)
+        if r.status_code != 200:
+            raise MilesError(f"HTTP {r.status_code}")
+        return r.text
+
     async def probe_all(self) -> list[bool]:
         return list(await asyncio.gather(*(self.probe(s) for s in self.servers)))
 

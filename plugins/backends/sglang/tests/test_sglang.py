@@ -256,3 +256,79 @@ def test_resumed_pieces_of_seeded_requests_get_distinct_seeds_every_round():
     assert len(sent) == 2 and all(len(set(r)) == 2 for r in seeds)  # the siblings differ
     assert set(seeds[0]).isdisjoint(seeds[1]) and 11 not in seeds[0] + seeds[1]
     assert [c.token_ids for c in cut] == [[1, 4], [1, 4]] and sent[1][0]["max_new_tokens"] == 2
+
+
+MILES_METRICS = """# HELP miles_engine_running_sequences sequences (samples) decoding now
+# TYPE miles_engine_running_sequences gauge
+miles_engine_running_sequences 3.0
+miles_engine_queued_sequences 5.0
+miles_engine_kv_cache_usage 0.25
+# TYPE miles_engine_generated_tokens counter
+miles_engine_generated_tokens_total 120.0
+"""
+SGLANG_METRICS = """sglang:num_running_reqs{model_name="m",tp_rank="0"} 2.0
+sglang:num_running_reqs{model_name="m",tp_rank="1"} 1.0
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 4.0
+sglang:token_usage{model_name="m",tp_rank="0"} 0.5
+sglang:generation_tokens_total{model_name="m"} 42.0
+sglang:spec_accept_rate{model_name="m"} 0.0
+sglang:spec_accept_length{model_name="m"} 0.0
+"""
+
+
+def test_engine_stats_read_each_servers_metrics_and_keep_the_last_good_reading(monkeypatch):
+    """``engine_stats()``: one reading per server from its /metrics (`miles serve`'s names and
+    SGLang's); a server that fails keeps its last reading, marked stale with why; a slow one
+    does not hold the caller past the timeout."""
+    import threading
+    import time
+
+    import httpx
+    from miles.protocols import EngineStats
+    from miles_plugin_sglang import stats as stats_mod
+
+    assert issubclass(SGLangEngine, EngineStats)
+    monkeypatch.setattr(stats_mod, "TIMEOUT_S", 0.3)
+    answers = {"a": MILES_METRICS, "b": SGLANG_METRICS}
+
+    async def answer(request):
+        body = answers[request.url.host]
+        if body == "refused":
+            raise httpx.ConnectError("refused")
+        if body == "slow":
+            await asyncio.sleep(0.8)
+            return httpx.Response(200, text=MILES_METRICS.replace("3.0", "7.0"))
+        return httpx.Response(404, text="no") if body == "missing" else httpx.Response(200, text=body)
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def make():
+        r = Router(["http://a", "http://b"], api_key=None, timeout_s=1, max_retries=1, max_concurrency=2)
+        await r.close()
+        r._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        return r
+
+    try:
+        router = asyncio.run_coroutine_threadsafe(make(), loop).result()
+        stats = stats_mod.ServerStats(router, loop)
+        a = {"name": "http://a", "running": 3.0, "queued": 5.0, "kv_cache_usage": 0.25, "generated_tokens": 120.0}
+        b = {"name": "http://b", "running": 3.0, "queued": 4.0, "kv_cache_usage": 0.5, "generated_tokens": 42.0}
+        assert stats.read() == [a, b]  # SGLang's labelled samples summed; its zero acceptance left out
+        answers.update(a="refused", b="missing")
+        gone = stats.read()
+        assert gone[0] == {**a, "stale": True, "error": "ConnectError: refused"}
+        assert gone[1]["stale"] and gone[1]["generated_tokens"] == 42.0 and "--enable-metrics" in gone[1]["error"]
+        router.servers[1].healthy = False  # down for the router: not scraped, its last reading kept
+        answers.update(a="slow", b=SGLANG_METRICS)
+        t = time.monotonic()
+        assert stats.read()[0]["generated_tokens"] == 120.0 and time.monotonic() - t < 0.7
+        stats._fetch.result(timeout=5)  # the slow answer lands meanwhile: the next reading has it
+        now = stats.read()
+        assert now[0] == {**a, "running": 7.0} and now[1]["stale"] and now[1]["error"].startswith("ConnectionError")
+        stats._fetch.result(timeout=5)
+        asyncio.run_coroutine_threadsafe(router.close(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

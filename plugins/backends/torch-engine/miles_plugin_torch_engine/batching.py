@@ -82,6 +82,12 @@ class FastGenerator:
         self.cuda = self.fwd.device.type == "cuda"
         self.sync_every = 16 if self.cuda else 1
         self.stats: dict[str, int] = {}
+        # load readings (``load``), plain values this thread sets and another reads without a lock:
+        # rows decoding and waiting, the decode step, the cache positions of the live rows at step
+        # ``t`` (``_kv_base + live * t``), and tokens sampled so far (each live row one per step,
+        # corrected to the rows' real lengths when they retire)
+        self.live = self.queued = self.t = self._kv_base = 0
+        self.generated_tokens = 0
 
     def _size_cache(self, prompts: Sequence[Sequence[int]], steps: int, n: int) -> None:
         """KV cache of (at most ``max_batch_size``) rows for this request and its longest sequence;
@@ -121,25 +127,44 @@ class FastGenerator:
         self.stats = dict(prefills=0, prefilled_prompts=0, decode_steps=0, max_rows=0, joined_mid_decode=0)
         queue = deque((i, s, min(slots, n - s)) for i in range(len(prompts)) for s in range(0, n, slots))
         live, t = 0, 0
-        while queue or live:
-            if interrupt is not None and interrupt.is_set():
-                self._abort(queue, live, t)
-                break
-            if dropped:
-                live = self._drop(dropped, queue, live, t)
-            check = t % self.sync_every == 0
-            while True:  # until nothing leaves and nothing joins: a group can stop at its first token
-                live = self._retire_finished(live, t, check)
-                joined = self._admit(queue, prompts, live, t)
-                if joined == live:
+        self.queued, self.t, self._kv_base = len(prompts) * n, 0, 0
+        try:
+            while queue or live:
+                if interrupt is not None and interrupt.is_set():
+                    self._abort(queue, live, t)
                     break
-                live, check = joined, True
-                self.stats["max_rows"] = max(self.stats["max_rows"], live)
-            if live:
-                self._decode(live, t)
-                t += 1
+                if dropped:
+                    live = self._drop(dropped, queue, live, t)
+                check = t % self.sync_every == 0
+                while True:  # until nothing leaves and nothing joins: a group can stop at its first token
+                    live = self._retire_finished(live, t, check)
+                    joined = self._admit(queue, prompts, live, t)
+                    if joined == live:
+                        break
+                    self.generated_tokens += joined - live  # a prefill samples each new row's first token
+                    live, check = joined, True
+                    self.stats["max_rows"] = max(self.stats["max_rows"], live)
+                self.live = live
+                if live:
+                    self._decode(live, t)
+                    t += 1
+                    self.t = t
+                    self.generated_tokens += live
+        finally:
+            self.live = self.queued = self._kv_base = 0
         self.stats["decode_steps"] = t
         return self.out  # type: ignore[return-value]
+
+    def load(self) -> tuple[int, int, int, int]:
+        """(rows decoding, rows waiting for a cache row, cache positions the live rows hold, cache
+        positions allocated), from plain values the generating thread sets: read from any thread
+        without a lock or a device sync (a reading taken mid-step may be a step off). Positions
+        are one per step since a row joined: exact on the plain path, a lower bound when a
+        speculative step advances a row by more."""
+        live, t, f = self.live, self.t, self.fwd
+        cap = f.slots * f.max_len if f.k_cache is not None else 0
+        used = min(max(self._kv_base + live * t, 0), cap) if live else 0
+        return live, max(self.queued, 0), used, cap
 
     def _retire_finished(self, live: int, t: int, check_done: bool) -> int:
         """Retire rows with all their tokens and, when ``check_done`` (or a retirement syncs
@@ -156,6 +181,7 @@ class FastGenerator:
         gone = set(dropped)
         for i, first, count in [g for g in queue if g[0] in gone]:
             queue.remove((i, first, count))
+            self.queued -= count
             for j in range(first, first + count):
                 self.out[i][j] = Completion([], [], "abort", self.version)
         rows = [row for row in range(live) if self.rows.owner[row][0] in gone]
@@ -166,6 +192,7 @@ class FastGenerator:
         groups still queued with nothing; the rows are left as retiring them all would."""
         r = self.rows
         tokens, logps, length, done = self._finished(list(range(live)), t) if live else ([],) * 4
+        self._counted(list(range(live)), length, t)
         for row in range(live):
             i, j = r.owner[row]
             k = length[row]
@@ -211,6 +238,8 @@ class FastGenerator:
             for j in range(count):
                 r.owner[k], r.start[k], r.plen[k] = (i, first + j), t, plen
                 k += 1
+            self._kv_base += count * (plen - t)
+        self.queued -= rows - live
         self.stats["prefills"] += 1
         self.stats["prefilled_prompts"] += len(picked)
         self.stats["joined_mid_decode"] += len(picked) if live > 0 else 0
@@ -235,10 +264,20 @@ class FastGenerator:
         idx = torch.tensor(rows, device=self.fwd.device)
         return r.tokens[idx].tolist(), r.logps[idx].tolist(), r.length[idx].tolist(), r.done[idx].tolist()
 
+    def _counted(self, rows: list[int], length: list[int], t: int) -> None:
+        """Rows leaving at step ``t`` with ``length`` tokens each: ``generated_tokens`` counted one
+        per step since each joined (a GPU row decodes a few steps past its stop token before the
+        host sees it, a speculative step adds up to ``k + 1``), now their real lengths; their cache
+        positions leave the load reading."""
+        r = self.rows
+        self.generated_tokens += sum(length) - int((t + 1 - r.start[rows]).sum())
+        self._kv_base -= int((r.plen[rows] - r.start[rows]).sum())
+
     def _retire(self, rows: list[int], live: int, t: int) -> int:
         """Hand back finished rows' completions and pack the live rows into ``[0, live')``."""
         r, dev = self.rows, self.fwd.device
         tokens, logps, length, done = self._finished(rows, t)
+        self._counted(rows, length, t)
         for k, row in enumerate(rows):
             i, j = r.owner[row]
             n = length[k]

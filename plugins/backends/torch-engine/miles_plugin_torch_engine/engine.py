@@ -140,6 +140,9 @@ class TorchEngine(WeightReceiver):
         if self._one_prompt and self._fast is not None:
             raise ValueError("torch engine: this architecture runs the model's own forward; set engine.impl=hf")
         self._p2p: Any = None
+        # the model's own forward path's load (the fast paths keep their own: FastGenerator.load):
+        # rows of the chunk generating, rows of the call waiting, tokens of the chunks done
+        self._hf_running = self._hf_queued = self._hf_tokens = 0
 
     def p2p_state(self) -> Any:
         """What the ``p2p`` transport keeps on this engine between its calls (``p2p.P2PState``)."""
@@ -148,6 +151,26 @@ class TorchEngine(WeightReceiver):
 
             self._p2p = P2PState()
         return self._p2p
+
+    def engine_stats(self) -> list[dict[str, Any]]:
+        """This engine's load (``miles.protocols.EngineStats``): sequences decoding and waiting for a
+        cache row, the share of the fast path's KV cache (rows x length, allocated once) their
+        positions hold, tokens generated so far, and the speculative acceptance of the last call.
+        Plain numbers the generating thread keeps: no lock, no device sync."""
+        running, queued, tokens = self._hf_running, self._hf_queued, self._hf_tokens
+        used = cap = 0
+        for g in (self._fast, self._spec):
+            if g is not None:
+                r, q, u, c = g.load()
+                running, queued, used, cap = running + r, queued + q, used + u, max(cap, c)  # one shared cache
+                tokens += g.generated_tokens
+        out: dict[str, Any] = {"name": f"torch ({self.device})", "running": running, "queued": queued,
+                               "generated_tokens": tokens}
+        if cap:
+            out["kv_cache_usage"] = min(used / cap, 1.0)
+        if self._spec is not None and self._spec.accept_rate is not None:
+            out["spec_accept_rate"] = self._spec.accept_rate
+        return [out]
 
     def step_metrics(self) -> dict[str, float]:
         """Speculative decoding's acceptance since the last call (``miles.protocols.EngineStepMetrics``)."""
@@ -184,14 +207,21 @@ class TorchEngine(WeightReceiver):
                                  self.interrupt, self.dropped)
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         out: list[list[Completion]] = [[] for _ in prompts]
-        for idx, reps in self._chunks(len(prompts), n):
-            chunk = [prompts[i] for i in idx]
-            if self._routing is None:
-                comps = self._generate_chunk(chunk, reps, params, gen, stop_t)
-            else:
-                comps = self._routing.run(self._generate_chunk, chunk, reps, params, gen, stop_t)
-            for j, i in enumerate(idx):
-                out[i].extend(comps[j * reps:(j + 1) * reps])
+        self._hf_queued = len(prompts) * n
+        try:
+            for idx, reps in self._chunks(len(prompts), n):
+                chunk = [prompts[i] for i in idx]
+                self._hf_running = len(chunk) * reps
+                self._hf_queued -= self._hf_running
+                if self._routing is None:
+                    comps = self._generate_chunk(chunk, reps, params, gen, stop_t)
+                else:
+                    comps = self._routing.run(self._generate_chunk, chunk, reps, params, gen, stop_t)
+                self._hf_tokens += sum(len(c.token_ids) for c in comps)
+                for j, i in enumerate(idx):
+                    out[i].extend(comps[j * reps:(j + 1) * reps])
+        finally:
+            self._hf_running = self._hf_queued = 0
         return out
 
     def _chunks(self, num: int, n: int) -> Iterator[tuple[list[int], int]]:

@@ -194,6 +194,12 @@ class Scheduler:
         return len(self._pending)
 
     @property
+    def waiting_samples(self) -> int:
+        """Samples of queued requests not yet in a batch; read without the lock (a gauge: a
+        reading taken while a batch is admitted may miss it)."""
+        return sum(r.waiting_samples for r in list(self._pending))
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped
 

@@ -198,19 +198,26 @@ class SpecGenerator(FastGenerator):
         draft_fwd = getattr(drafter, "fwd", None)
         self._bucketed = not (fwd.use_triton and (draft_fwd is None or draft_fwd.use_triton))
         self.totals = {"steps": 0, "emitted": 0, "accepted": 0}  # row-steps; drained by the engine
+        self.accept_rate: float | None = None  # drafts accepted / drafted in the last generate call
 
     def generate(self, *args: Any, **kwargs: Any) -> list:
         """``FastGenerator.generate``; on CPU on a driver thread of one intra-op thread (as the
         plain CPU path's driver, ``cpu_workers``): the caller's OpenMP team stalls at every small
         op whenever another process takes a core."""
+        totals = self.totals
+        before = dict(totals)
         if self.fwd.device.type != "cpu" or torch.get_num_threads() <= 1:
-            return super().generate(*args, **kwargs)
+            out = super().generate(*args, **kwargs)
+        else:
+            def drive() -> list:
+                with torch.inference_mode():
+                    return FastGenerator.generate(self, *args, **kwargs)
 
-        def drive() -> list:
-            with torch.inference_mode():
-                return FastGenerator.generate(self, *args, **kwargs)
-
-        return cpu_workers.pool(1, "driver").submit(drive).result()
+            out = cpu_workers.pool(1, "driver").submit(drive).result()
+        steps = totals["steps"] - before["steps"]
+        if steps and totals is self.totals:  # not drained meanwhile; the outputs are on the host: no wait
+            self.accept_rate = int(totals["accepted"] - before["accepted"]) / (steps * self.k)
+        return out
 
     def _size_cache(self, prompts, steps: int, n: int) -> None:
         super()._size_cache(prompts, steps + self.k + 1, n)  # a block writes k past the last token

@@ -51,6 +51,24 @@ def test_live_run_grows_with_timeline_and_coloured_tokens(dashboard):
     reddish = (img2[..., 0] > 200) & (img2[..., 1] < 215) & (img2[..., 0] - img2[..., 2] > 30)
     assert reddish.sum() > 100  # the coloured tokens are on screen
     assert 'id="dev-cpu"' in dom2 and 'id="dev-rss"' in dom2  # a CPU run: CPU and memory charts
+    # the torch engine's load readings: a table of the latest, and its tokens/s and KV cache over time
+    assert 'id="eng-table"' in dom2 and 'id="eng-tokens"' in dom2 and 'id="eng-kv"' in dom2
+
+
+def test_engine_readings_reach_the_api(dashboard):
+    """The live run's recorder reads the in-process torch engine (EngineStats) every 0.5 s; the
+    devices route returns those readings, tokens/s worked out between two of them."""
+    env = dashboard
+    env["wait_for"](lambda: env["steps_logged"](env["live"]) >= 3, 180, "the live run's first steps")
+    rows = [r for r in env["api"]("/api/runs/0/devices") if r.get("engines")]
+    assert rows and not any("engines_error" in r for r in rows)
+    readings = [r["engines"][0] for r in rows]
+    assert {e["name"] for e in readings} == {"torch (cpu)"}
+    for e in readings:
+        assert e["running"] >= 0 and e["queued"] >= 0 and 0 <= e.get("kv_cache_usage", 0) <= 1
+    counts = [e["generated_tokens"] for e in readings]
+    assert counts == sorted(counts) and counts[-1] > 0
+    assert any(e.get("tokens_per_s", 0) > 0 for e in readings)
 
 
 def test_page_follows_end_kill_and_resume(dashboard):

@@ -227,14 +227,42 @@ function drawDevices(rows) {
   const m = latestPerStep((state.metrics[state.selected] || {rows: []}).rows);
   const rate = lineChart("eng-rate", "rollout tokens/s (while generating)", [{color: COLORS[0], xs: m.filter((r) => "rollout_tokens_per_s" in r).map((r) => r.step),
     ys: m.filter((r) => "rollout_tokens_per_s" in r).map((r) => r.rollout_tokens_per_s)}]);
+  const failed = rows.filter((r) => r.engines_error).slice(-1)[0];
+  const error = failed ? `<div class="problems">engine readings failed: ${esc(failed.engines_error)}</div>` : "";
   if (!withEngines.length) {
-    $("engines-body").innerHTML = `<div class="grid">${rate}</div><span class="muted">this run's engine reports no load readings
+    $("engines-body").innerHTML = `<div class="grid">${rate}</div>${error}<span class="muted">this run's engine reports no load readings
       (running/queued requests, KV cache): miles.protocols.EngineStats</span>`;
     return;
   }
-  const last = withEngines[withEngines.length - 1].engines, keys = [...new Set(last.flatMap((e) => Object.keys(e)))];
-  $("engines-body").innerHTML = `<div class="grid">${rate}</div><table><tr>${keys.map((k) => `<th>${esc(k)}</th>`).join("")}</tr>` +
-    last.map((e) => `<tr>${keys.map((k) => `<td>${esc(typeof e[k] === "number" ? fmt(e[k]) : e[k] ?? "")}</td>`).join("")}</tr>`).join("") + "</table>";
+  const names = [...new Set(withEngines.flatMap((r) => r.engines.map(engineName)))];
+  $("engines-body").innerHTML = `<div class="grid">${rate}${engineCharts(withEngines, names, t0)}</div>${error}` +
+    engineTable(withEngines.slice(-1)[0].engines, names);
+}
+
+// per engine (server), over time: tokens/s, running and queued sequences, KV cache use, acceptance
+const ENGINE_CHARTS = [["tokens", "tokens_per_s", "engine tokens/s", 1], ["running", "running", "running sequences", 1],
+  ["queued", "queued", "queued sequences", 1], ["kv", "kv_cache_usage", "KV cache use %", 100],
+  ["spec", "spec_accept_rate", "speculative acceptance %", 100]];
+const engineName = (e, i) => e.name ?? "engine " + i;
+
+function engineCharts(rows, names, t0) {
+  const xs = rows.map((r) => r.time - t0);
+  return ENGINE_CHARTS.map(([id, key, title, scale]) => lineChart("eng-" + id, title, names.map((n, j) => ({
+    color: COLORS[j % COLORS.length], xs, ys: rows.map((r) => {
+      const e = r.engines.find((x, i) => engineName(x, i) === n);
+      return e && typeof e[key] === "number" ? e[key] * scale : null;
+    })})), {xunit: " s"})).join("");
+}
+
+function engineTable(last, names) {
+  // the latest reading of each engine (in its charts' colour): the known columns first, then the rest
+  const known = ["name", "tokens_per_s", "running", "queued", "kv_cache_usage", "spec_accept_rate", "generated_tokens"];
+  const keys = [...new Set([...known.filter((k) => last.some((e) => k in e)), ...last.flatMap((e) => Object.keys(e))])];
+  const cell = (k, v) => typeof v !== "number" ? esc(v ?? "") : k === "kv_cache_usage" || k === "spec_accept_rate"
+    ? (100 * v).toFixed(1) + " %" : esc(fmt(v));
+  return `<table id="eng-table"><tr>${keys.map((k) => `<th>${esc(k)}</th>`).join("")}</tr>` +
+    last.map((e, i) => `<tr>${keys.map((k) => k !== "name" ? `<td>${cell(k, e[k])}</td>` : `<td><i class="sw"
+      style="background:${COLORS[names.indexOf(engineName(e, i)) % COLORS.length]}"></i>${esc(engineName(e, i))}</td>`).join("")}</tr>`).join("") + "</table>";
 }
 
 // --- the selected run's details ---------------------------------------------------------------------
