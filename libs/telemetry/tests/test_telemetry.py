@@ -77,6 +77,7 @@ def test_recorder_writes_spans_samples_and_devices(tmp_path):
     with rec.span("rollout"):  # before open: nothing is recorded, nothing fails
         pass
     rec.open(str(tmp_path), engine_stats=lambda: [{"name": "e0", "running": 2.0}])
+    t0 = time.perf_counter()
     samples = [_S(i) for i in range(6)]
     with rec.span("rollout"):
         with rec.span("generate") as attrs:
@@ -93,11 +94,12 @@ def test_recorder_writes_spans_samples_and_devices(tmp_path):
     th.join()
     time.sleep(0.2)
     m = rec.step_end(1, {})
+    wall = time.perf_counter() - t0
     rec.close()
     tl = json.loads((tmp_path / "telemetry/timeline.jsonl").read_text())
     names = [(s[0], s[1]) for s in tl["spans"]]
     assert names.count(("filter", "trainer")) == 1 and ("generate", "worker-0") in names
-    assert m["rollout_tokens_per_s"] > 0 and 0 <= m["telemetry_seconds"] < 0.05
+    assert m["rollout_tokens_per_s"] > 0 and 0 <= m["telemetry_seconds"] < 0.25 * wall  # its own clock: a share of the step
     rows = [json.loads(x) for x in (tmp_path / "telemetry/samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["train_logprobs"] == [-0.4, -1.0, -2.5] and rows[0]["loss_mask"] == [1, 0, 1]
     assert rows[0]["rollout_logprobs"] == [-0.5, -1.0, -2.0] and rows[0]["advantage"] == 0.5
