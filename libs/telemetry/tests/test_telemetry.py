@@ -99,7 +99,7 @@ def test_recorder_writes_spans_samples_and_devices(tmp_path):
     tl = json.loads((tmp_path / "telemetry/timeline.jsonl").read_text())
     names = [(s[0], s[1]) for s in tl["spans"]]
     assert names.count(("filter", "trainer")) == 1 and ("generate", "worker-0") in names
-    assert m["rollout_tokens_per_s"] > 0 and 0 <= m["telemetry_seconds"] < 0.25 * wall  # its own clock: a share of the step
+    assert m["rollout_tokens_per_s"] > 0 and 0 <= m["telemetry_seconds"] < 0.25 * wall  # a share of the step
     rows = [json.loads(x) for x in (tmp_path / "telemetry/samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["train_logprobs"] == [-0.4, -1.0, -2.5] and rows[0]["loss_mask"] == [1, 0, 1]
     assert rows[0]["rollout_logprobs"] == [-0.5, -1.0, -2.0] and rows[0]["advantage"] == 0.5
