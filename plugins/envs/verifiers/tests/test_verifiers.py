@@ -104,7 +104,7 @@ def hanging_socket():
 
 def test_a_policy_that_hangs_fails_the_samples_in_time(worker_url, hanging_socket):
     env = VerifiersEnv(VerifiersConfig(worker_url=worker_url, policy_url=hanging_socket, train_size=2,
-                                       eval_size=1, timeout_s=2))
+                                       eval_size=1, timeout_s=1))
     t0 = time.monotonic()
     samples = [s for g in play(env, env.tasks("train"), 1) for s in g]
     assert time.monotonic() - t0 < 20
