@@ -15,7 +15,7 @@ def _rows(out: Path) -> list[dict]:
 def test_a_few_steps_end_to_end(tmp_path):
     out = tmp_path / "run"
     assert main(["train", str(RECIPE), f"run.out_dir={out}", "loggers=[]", "run.steps=2", "run.eval_every=2",
-                 "model.warm_start.steps=20", "rollout.batch_size=2", "rollout.n=4",
+                 "model.warm_start.steps=5", "rollout.batch_size=2", "rollout.n=4", "engine.num_steps=3",
                  "algorithm.ema_decay=0.5", "algorithm.noise_draws=2"]) == 0
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
@@ -66,7 +66,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     from miles_plugin_fsdp2.checkpoint import read_model
 
     tiny = [f"run.out_dir={tmp_path}/{{}}", "loggers=[]", "run.eval_every=100", "run.checkpoint_every=2",
-            "model.warm_start.steps=20", "rollout.batch_size=2", "rollout.n=4", "engine.num_steps=3",
+            "model.warm_start.steps=5", "rollout.batch_size=2", "rollout.n=4", "engine.num_steps=3",
             "algorithm.ema_decay=0.5", "algorithm.noise_draws=2", "trainer.lr=3e-3"]
 
     def train(run: str, steps: int) -> None:

@@ -14,8 +14,9 @@ KEYS = ("nft_loss", "old_policy_gap", "grad_norm", "optimality_mean")
 
 def _train(out: Path, steps: int, ranks: int = 1) -> None:
     cmd = [sys.executable, "-m", "miles.cli", "train", RECIPE, f"run.out_dir={out}", "loggers=[]",
-           f"run.steps={steps}", "run.eval_every=100", "run.checkpoint_every=2", "model.warm_start.steps=20",
-           "rollout.batch_size=2", "rollout.n=4", "algorithm.ema_decay=0.5", "algorithm.noise_draws=2"]
+           f"run.steps={steps}", "run.eval_every=100", "run.checkpoint_every=2", "model.warm_start.steps=5",
+           "rollout.batch_size=2", "rollout.n=4", "engine.num_steps=3", "algorithm.ema_decay=0.5",
+           "algorithm.noise_draws=2"]
     if ranks > 1:
         cmd += ["launcher.name=local", f"launcher.trainer_ranks={ranks}", "launcher.engines=0"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -36,9 +37,9 @@ def _close(a: dict, b: dict, step: int) -> None:
 
 def test_two_sharded_ranks_match_one_and_resume_across_world_sizes(tmp_path):
     one, two, cross = tmp_path / "one", tmp_path / "two", tmp_path / "cross"
-    _train(one, 2)
-    shutil.copytree(one, cross)  # its step-2 checkpoint, resumed below by two ranks
-    _train(one, 4)
+    _train(one, 4)  # checkpoints at steps 2 and 4
+    shutil.copytree(one, cross)
+    shutil.rmtree(cross / "checkpoints" / "step_000004")  # its step-2 checkpoint, resumed below by two ranks
     _train(two, 2, ranks=2)
     _train(two, 4)  # the two ranks' checkpoint, resumed by one
     _train(cross, 4, ranks=2)
