@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="training: timed steps after one warm-up")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the GPU's dense bf16 peak for MFU (default: the trainers' table by device name)")
-    ap.add_argument("--quick", action="store_true", help="CPU, tiny shapes, float32 engine, 2 prompts, 2 rows "
-                    "of 32 tokens (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="CPU, one thread, tiny shapes, float32 engine, 2 prompts, "
+                    "2 rows of 32 tokens (a smoke run)")
     args = ap.parse_args(argv)
     args.shape = "gpu"
     if args.quick:
@@ -279,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here; use --device cpu (or --quick)")
-    if args.device == "cpu":
-        torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.device == "cpu":  # --quick: one thread (tiny ops gain nothing from a second, which spins on busy cores)
+        torch.set_num_threads(1 if args.quick else min(2, torch.get_num_threads()))
     chosen = args.families or ",".join(QUICK if args.quick else FAMILIES)
     families = [f.strip() for f in chosen.split(",") if f.strip()]
     for f in families:

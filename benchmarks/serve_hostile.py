@@ -167,14 +167,15 @@ def percentile(xs: list[float], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a short smoke run (about 20 s)")
+    ap.add_argument("--quick", action="store_true", help="a short smoke run (5 requests a phase, "
+                    "a 1.5 s hostile phase)")
     ap.add_argument("--requests", type=int, default=60, help="well-behaved requests per phase (at least)")
     ap.add_argument("--seconds", type=float, default=30.0, help="length of the hostile phase (at least)")
     ap.add_argument("--hostile-threads", type=int, default=3)
     ap.add_argument("--model", default=None, help="a model folder (default: a tiny random Qwen2)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
-    count, seconds = (10, 3.0) if args.quick else (args.requests, args.seconds)
+    count, seconds = (5, 1.5) if args.quick else (args.requests, args.seconds)
     work = Path(tempfile.mkdtemp(prefix="serve-hostile-"))
     model = Path(args.model) if args.model else tiny_model(work / "model")
     proc, url = start_server(model, work / "serve.log")

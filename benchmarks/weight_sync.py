@@ -39,9 +39,11 @@ import time
 import torch
 
 
-def _spec(mb: int, shape: str | None):
+def _spec(mb: int, shape: str | None, quick: bool = False):
     from miles.testing import TinySpec
 
+    if quick:  # hidden 256, 2 layers: about 4 MiB in float32
+        return TinySpec(hidden=256, layers=2, heads=8, kv_heads=2, seed=1)
     if shape == "qwen2-0.5b":
         return TinySpec(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, seed=1)
     # hidden 1024 (32 heads, 8 kv heads): one layer is ~26 MiB of float32, in 9 tensors
@@ -245,12 +247,12 @@ class Sync:
             self.tr.close()
 
 
-def measure(rows: list[tuple[str, object]], repeat: int) -> dict[str, float]:
+def measure(rows: list[tuple[str, object]], repeat: int, warmups: int = 2) -> dict[str, float]:
     """Best seconds per row, rounds interleaved so that load from other processes hits all rows
-    alike. Two untimed warm-ups each (connections, segments, first-touch page faults)."""
+    alike. ``warmups`` untimed warm-ups each (connections, segments, first-touch page faults)."""
     for _, item in rows:
-        item.once()
-        item.once()
+        for _ in range(warmups):
+            item.once()
     best = {label: float("inf") for label, _ in rows}
     for _ in range(repeat):
         for label, item in rows:
@@ -269,7 +271,7 @@ def main() -> None:
                     "(tensor, broadcast, disk, p2p)")
     ap.add_argument("--shape", choices=["qwen2-0.5b"], default=None, help="a real model shape instead of --mb")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--quick", action="store_true", help="4 MiB, 1 round, CPU (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="a 4 MiB model, 1 warm-up, 1 round, CPU (a smoke run)")
     args = ap.parse_args()
     if args.quick:
         args.mb, args.repeat, args.device, args.shape = 4, 1, "cpu", None
@@ -277,7 +279,7 @@ def main() -> None:
     from miles.testing import char_tokenizer
     from miles_wire.testing import EngineProcess
 
-    spec = _spec(args.mb, args.shape)
+    spec = _spec(args.mb, args.shape, args.quick)
     cuda = args.device == "cuda"
     dev = "cuda:0" if cuda else "cpu"
     model = spec.build_model(char_tokenizer()).to(dev, getattr(torch, args.dtype))
@@ -323,7 +325,7 @@ def main() -> None:
                                                   else f"[{name} {settings}]")
                     sync = Sync(via, {k: v for k, v in settings.items() if k != "via"}, trainer, engine, folder)
                     try:
-                        best = measure([("raw", raw), (label, sync)], args.repeat)
+                        best = measure([("raw", raw), (label, sync)], args.repeat, 1 if args.quick else 2)
                         print(f"  {label}: last sync " + ", ".join(f"{k} {v * 1e3:.1f} ms"
                                                                   for k, v in sync.parts.items()), flush=True)
                     finally:
