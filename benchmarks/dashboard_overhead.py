@@ -22,11 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(out: Path, steps: int, telemetry: bool) -> list[dict]:
+def run(out: Path, steps: int, telemetry: bool, extra: tuple[str, ...] = ()) -> list[dict]:
     cmd = [sys.executable, "-m", "miles.cli", "train", str(ROOT / "recipes/quickstart.yaml"), "run.warm_start=null",
            "algorithm.filter_zero_variance=false",  # without the warm start every group would be dropped: train them
            f"run.steps={steps}", f"run.out_dir={out}", "run.eval_every=100000", "run.checkpoint_every=100000",
-           f"run.telemetry.enabled={'true' if telemetry else 'false'}", "loggers=[]"]
+           f"run.telemetry.enabled={'true' if telemetry else 'false'}", "loggers=[]", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         sys.exit(f"miles train failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -38,14 +38,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="4 steps, 1 repeat (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="3 steps (one measured), 1 repeat, 8 prompts a step, "
+                    "an 8-prompt step-0 eval, one thread (a smoke run)")
     a = ap.parse_args()
-    steps, repeats = (4, 1) if a.quick else (a.steps, a.repeats)
+    steps, repeats = (3, 1) if a.quick else (a.steps, a.repeats)
+    extra = ("rollout.batch_size=8", "env.eval_size=8", "run.threads=1") if a.quick else ()
     on_steps, off_steps, own, total = [], [], 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):
             for telemetry in ((True, False) if i % 2 == 0 else (False, True)):  # neither always goes first
-                rows = run(Path(tmp) / f"{i}-{telemetry}", steps, telemetry)
+                rows = run(Path(tmp) / f"{i}-{telemetry}", steps, telemetry, extra)
                 (on_steps if telemetry else off_steps).extend(r["step_seconds"] for r in rows)
                 if telemetry:
                     own += sum(r.get("telemetry_seconds", 0.0) for r in rows)

@@ -194,10 +194,12 @@ def main() -> None:
                     help="the FP8 engine's GEMMs (engine.fp8_gemm): FP8 GEMMs or weight-only FP8")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="engine and trainer device")
     ap.add_argument("--shape", default="tiny", choices=list(SHAPES), help="model size (see SHAPES)")
-    ap.add_argument("--quick", action="store_true", help="tiny shape, 2 prompts, 16 experts, CPU (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="tiny shape, 2 prompts, 16 experts, CPU, one thread "
+                    "(a smoke run)")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.n, args.experts, args.shape, args.device = 2, 1, 16, "tiny", "cpu"
+        torch.set_num_threads(1)  # tiny ops gain nothing from a second thread, which spins when cores are busy
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here; use --device cpu")
     if args.experts is None:

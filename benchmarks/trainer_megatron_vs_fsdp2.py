@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         args.shape, args.samples, args.seq, args.prompt, args.micro, args.steps = "tiny", 4, 32, 8, 2, 1
         if not torch.cuda.is_available():
             args.device, args.only = "cpu", "fsdp2"
+            torch.set_num_threads(1)  # tiny ops gain nothing from a second thread, which spins when cores are busy
     shape = SHAPES[args.shape]
     spec, batch = Spec(shape, args.seq), make_batch(args.samples, args.seq, args.prompt, shape["vocab_size"])
     tokens = args.samples * args.seq
