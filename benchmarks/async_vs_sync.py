@@ -56,8 +56,8 @@ def recipe(model: Path | None, mode: str, steps: int, out: Path, in_flight: str 
     if model is not None:
         cfg["model"] = {"name": "hf", "path": str(model)}
     else:
-        cfg["rollout"]["batch_size"] = 8
-        cfg["env"]["eval_size"] = 20
+        cfg["rollout"]["batch_size"] = 4
+        cfg["env"]["eval_size"] = 4
         cfg["algorithm"]["filter_zero_variance"] = False
     cfg["run"].pop("warm_start")
     cfg["run"].update(steps=steps, out_dir=str(out), eval_every=steps, checkpoint_every=steps,
@@ -120,7 +120,8 @@ def plot(results: dict, path: Path, device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--quick", action="store_true", help="no warm start, 8 groups a step, 2 steps (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="no warm start, 4 groups a step, 2 steps, "
+                    "4 eval prompts (a smoke run)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "async_vs_sync"))
     ap.add_argument("--in-flight", default="finish", choices=["finish", "resume"],
                     help="async: requests in flight at a weight push finish on the old weights, or "
@@ -134,13 +135,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     steps = 2 if args.quick else args.steps
     if args.quick:
-        print("--quick: the recipe's untrained model, 8 groups a step")
+        print("--quick: the recipe's untrained model, 4 groups a step")
     else:
         print("warm start (once, shared by both runs)")
     model = None if args.quick else warm_model(work)
     rollout = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())["rollout"]
     if args.quick:
-        rollout["batch_size"] = 8
+        rollout["batch_size"] = 4
     results = {}
     for mode in ("sync", "async"):
         out = work / mode

@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_seed(seed: int, steps: int | None, out: str, warm: dict[str, int] | None = None) -> dict[str, float]:
+def run_seed(seed: int, steps: int | None, out: str, warm: dict[str, int] | None = None,
+             extra: tuple[str, ...] = ()) -> dict[str, float]:
     from miles.config import apply_overrides, read_yaml, resolve
     from miles.loop import Loop
     from miles.plugins import make_plugin_manager
@@ -26,7 +27,7 @@ def run_seed(seed: int, steps: int | None, out: str, warm: dict[str, int] | None
     from miles_plugin_sft.warmstart import settings, trainer_settings
 
     over = [f"run.seed={seed}", f"run.out_dir={out}/seed{seed}"] + ([f"run.steps={steps}"] if steps else [])
-    over += [f"run.warm_start.{k}={v}" for k, v in (warm or {}).items()]
+    over += [f"run.warm_start.{k}={v}" for k, v in (warm or {}).items()] + list(extra)
     pm = make_plugin_manager()
     cfg = resolve(pm, apply_overrides(read_yaml(str(ROOT / "recipes/quickstart.yaml")), over))
     loop = Loop(pm, cfg)
@@ -67,13 +68,15 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
     ap.add_argument("--out", default="/tmp/miles-bench-quickstart-vs-sft")
-    ap.add_argument("--quick", action="store_true", help="one seed, a 10-step warm start, 2 RL steps (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="one seed, a 4-step warm start, 2 RL steps of 8 prompts, "
+                    "20 eval prompts, one thread (a smoke run)")
     args = ap.parse_args()
-    warm = None
+    warm, extra = None, ()
     if args.quick:
         args.seeds, args.steps = "0", 2
-        warm = {"max_steps": 10, "min_steps": 0, "eval_every": 5}
-    rows = [run_seed(int(s), args.steps, args.out, warm) for s in args.seeds.split(",")]
+        warm = {"max_steps": 4, "min_steps": 0, "eval_every": 2}
+        extra = ("env.eval_size=20", "rollout.batch_size=8", "run.threads=1")
+    rows = [run_seed(int(s), args.steps, args.out, warm, extra) for s in args.seeds.split(",")]
     print(f"{'seed':>4} {'warm start':>10} {'step 0':>7} {'GRPO':>6} {'SFT':>6} {'GRPO gain':>9} "
           f"{'SFT gain':>8}  time per arm")
     for r in rows:
