@@ -28,15 +28,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "quickstart.yaml")
+# --quick: 8 prompts a step, an 8-prompt step-0 eval, one torch thread (the run's phases once each,
+# at the least work)
+QUICK = ("rollout.batch_size=8", "env.eval_size=8", "run.threads=1")
 
 
-def run_once(launcher: str, steps: int, skip: int, work: Path, env: dict[str, str]) -> tuple[float, float]:
+def run_once(launcher: str, steps: int, skip: int, work: Path, env: dict[str, str],
+             extra_overrides: tuple[str, ...] = ()) -> tuple[float, float]:
     """(median step seconds after ``skip`` steps, seconds from launch to the first logged step)."""
     out = Path(tempfile.mkdtemp(prefix=f"{launcher}-", dir=work))
     extra = ["launcher.num_cpus=2"] if launcher == "ray" else []
     cmd = [sys.executable, "-m", "miles.cli", "train", RECIPE, f"run.out_dir={out}", f"run.steps={steps}",
            "run.warm_start=null", "run.eval_every=1000", "run.checkpoint_every=1000", "env.eval_size=50",
-           f"launcher.name={launcher}", "launcher.engines=1", "launcher.trainer_ranks=1", *extra]
+           f"launcher.name={launcher}", "launcher.engines=1", "launcher.trainer_ranks=1", *extra, *extra_overrides]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics, first = out / "metrics.jsonl", None
@@ -56,17 +60,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="3 steps, 1 round (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="2 steps, no skip, 1 round, 8 prompts a step (a smoke run)")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.repeat, args.skip = 3, 1, 1
+        args.steps, args.repeat, args.skip = 2, 1, 0
     work = Path(tempfile.mkdtemp(prefix="mlo", dir="/tmp"))  # short: Ray's socket paths are limited
     env = {**os.environ, "HOME": str(work), "RAY_TMPDIR": str(work / "r"), "RAY_AUTH_MODE": "disabled"}
     best: dict[str, tuple[float, float]] = {}
     try:
         for i in range(args.repeat):
             for launcher in ("local", "ray"):
-                step, start = run_once(launcher, args.steps, args.skip, work, env)
+                step, start = run_once(launcher, args.steps, args.skip, work, env, QUICK if args.quick else ())
                 print(f"round {i}: {launcher:5s} median step {step * 1000:7.1f} ms  start-up {start:5.1f} s",
                       flush=True)
                 old = best.get(launcher)

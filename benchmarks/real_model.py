@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "real_model.yaml"
 TARGET_GAIN, TARGET_MINUTES = 0.15, 20.0
 QUICK = ["run.steps=2", "run.eval_every=1", "env.eval_size=8", "rollout.batch_size=2", "rollout.n=2",
-         "rollout.max_new_tokens=4", "run.checkpoint_every=2"]
+         "rollout.max_new_tokens=4", "run.checkpoint_every=2", "run.threads=1"]
 
 
 def curve(out_dir: Path) -> tuple[list[dict], list[dict]]:
