@@ -31,7 +31,7 @@ KINDS = {"none": ["engine.speculative=null", "draft=null"],
          "frozen": ["draft.train=false"],
          "online": ["draft.train=true"]}
 QUICK = ["run.warm_start.max_steps=10", "run.warm_start.min_steps=10", "run.warm_start.batch_size=32",
-         "run.eval_every=1000", "env.eval_size=40", "rollout.batch_size=8"]
+         "run.eval_every=1000", "env.eval_size=40", "rollout.batch_size=8", "run.threads=1"]
 
 
 def run_kind(kind: str, args) -> list[dict]:
@@ -147,7 +147,7 @@ def decode_table(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--quick", action="store_true", help="a 10-step warm start, 8 prompts a step (tests)")
+    ap.add_argument("--quick", action="store_true", help="a 10-step warm start, 8 prompts a step, one thread (tests)")
     ap.add_argument("--out", default="runs/bench_spec")
     ap.add_argument("--warm-start", type=int, default=None, help="warm-start steps (default: the recipe's 600)")
     ap.add_argument("--max-batch", default="4096", help="engine.speculative.max_batch of the drafted runs")
