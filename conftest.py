@@ -10,6 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 CONNECTORS = ("nemo-gym", "harbor", "verifiers")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: a second torch thread per process (and per child run) only waits
+    # for a core the other worker holds; a test or run that sets its own thread count still does
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_finish(session):
     if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":  # every worker collects; one starts the builds
