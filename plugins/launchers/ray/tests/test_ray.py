@@ -28,7 +28,9 @@ TINY = str(ROOT / "tests" / "tiny.yaml")
 def ray_home():
     """A short folder (Ray's socket paths have a length limit) for Ray's temp dir and HOME."""
     home = Path(tempfile.mkdtemp(prefix="mray", dir="/tmp"))
-    env = {**os.environ, "HOME": str(home), "RAY_TMPDIR": str(home / "r"), "RAY_AUTH_MODE": "disabled"}
+    # without the suite's own thread setting, so that a server's OMP_NUM_THREADS=1 can only be Ray's
+    inherited = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {**inherited, "HOME": str(home), "RAY_TMPDIR": str(home / "r"), "RAY_AUTH_MODE": "disabled"}
     yield home, env
     shutil.rmtree(home, ignore_errors=True)
 
