@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -12,6 +13,33 @@ import miles.runfolder as runfolder
 
 from .errors import MilesError, PluginError
 from .plugins import _CALLING, KINDS, make_plugin_manager, plugin_table
+
+# a trainer rank that a launcher started (``on``) and the status its ``miles train`` ends with
+_LAUNCHED_RANK: dict[str, Any] = {}
+
+
+def _leave_launched_rank() -> None:
+    """The last exit handler of a launcher-started trainer rank: after the other exit handlers and
+    Python's thread shutdown, flush and leave without interpreter teardown.
+
+    A gloo worker thread of torch.distributed may still be releasing the run's last collective
+    (e.g. the final ``broadcast_object``) when the main thread exits; that release drops Python
+    tensors and so takes the GIL, and a thread that takes the GIL once teardown has begun is ended
+    by ``pthread_exit`` inside C++ code: ``terminate called without an active exception``, SIGABRT
+    after a finished run. Leaving here, before teardown, is the only exit that cannot race with it:
+    the process groups are never destroyed for certain (FSDP2's DTensors keep them alive)."""
+    if not _LAUNCHED_RANK.get("on"):
+        return
+    if "logging" in sys.modules:
+        import logging
+
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader has gone
+            pass
+    os._exit(_LAUNCHED_RANK.get("code", 1))
 
 
 def load(config: str, overrides: list[str], plugins: list[str], *, trust_listed: bool = True) -> tuple[Any, Any]:
@@ -72,6 +100,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 0
         launcher = pm.create("launchers", cfg.name("launcher"), cfg.settings("launcher"))
         return launcher.launch(cfg, pm, list(args.plugin or []) + cfg.plugins)
+    if os.environ.get("MILES_LAUNCHED") and "RANK" in os.environ:
+        _LAUNCHED_RANK["on"] = True  # see _leave_launched_rank
     try:
         history = Loop(pm, cfg).run()
     except KeyboardInterrupt:
@@ -147,11 +177,15 @@ def main(argv: list[str] | None = None) -> Any:
     if rest:
         args.overrides += rest
     try:
-        return args.fn(args)
+        code = args.fn(args)
     except MilesError as e:
         print(f"miles: error: {e}", file=sys.stderr)
-        return e.exit_code
+        code = e.exit_code
+    _LAUNCHED_RANK["code"] = code if isinstance(code, int) else int(code is not None)  # as sys.exit
+    return code
 
 
 if __name__ == "__main__":
+    # registered before torch and the plugins are imported: it runs after their exit handlers
+    atexit.register(_leave_launched_rank)
     sys.exit(main())

@@ -508,6 +508,8 @@ class Loop:
                                       f"step {step}: checkpoint written; rerun the same command to resume "
                                       f"from {cfg.run.out_dir}", 128 + (self.stop_signal or signal.SIGTERM))
             self.mode.finish_push()  # the engines end on the last version
+            if self.distributed:  # no rank leaves while another is still in a collective
+                self.components.trainer.barrier()
         finally:
             gc.unfreeze()
             self.mode.close()

@@ -57,9 +57,12 @@ def init_group(device: torch.device, world: int) -> None:
 
 
 def destroy_groups() -> None:
-    """Destroy the process groups while the interpreter is whole: left to interpreter teardown,
-    gloo's worker threads may still hold tensors, and the process then dies of SIGABRT
-    ("terminate called without an active exception") after its run finished."""
+    """Destroy the process groups while the interpreter is whole. Once a model is sharded this
+    only unregisters them: FSDP2's DTensors keep the gloo group, and its worker threads, alive
+    until the process ends. A worker that releases the last collective's tensors during
+    interpreter teardown takes the GIL and aborts the process ("terminate called without an
+    active exception"); launcher-started ranks therefore leave before teardown
+    (``miles.cli._leave_launched_rank``)."""
     W.drop_object_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
