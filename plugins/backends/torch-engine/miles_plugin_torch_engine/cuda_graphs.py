@@ -13,6 +13,7 @@ fixed addresses) or the KV cache grows.
 from __future__ import annotations
 
 import bisect
+from typing import Any, Callable
 
 import torch
 
@@ -24,6 +25,20 @@ def batch_buckets(slots: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 256, 32)) + list(range(256, slots, 64))
     return sorted({s for s in sizes if s < slots} | {slots})
 
+
+
+def capture_graph(run: Callable[[], None], device: torch.device, pool: Any) -> torch.cuda.CUDAGraph:
+    """``run`` captured as a CUDA graph in ``pool``, after one warm-up on a side stream (kernel
+    selection and workspaces happen outside capture)."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
 
 class DecodeRunner:
     """Runs ``forward.decode`` on rows ``[0, B)`` eagerly (CPU, or graphs off) or through graphs."""
@@ -76,14 +91,6 @@ class DecodeRunner:
         def run():
             self.fwd.decode(self.tok[:size], self.pos[:size], length, out=self.logits[:size])
 
-        stream = torch.cuda.Stream(device=self.fwd.device)
-        stream.wait_stream(torch.cuda.current_stream(self.fwd.device))
-        with torch.cuda.stream(stream):  # warm up outside capture (kernel selection, workspaces)
-            run()
-        torch.cuda.current_stream(self.fwd.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            run()
-        return graph
+        return capture_graph(run, self.fwd.device, self._pool)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from .cuda_graphs import batch_buckets
+from .cuda_graphs import batch_buckets, capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,6 @@ class SpecGraphs:
             for dst, src in zip(self.out, outs):
                 dst[:size].copy_(src)
 
-        dev = self.device
-        stream = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):  # warm up outside capture (kernel selection, workspaces)
-            run()
-        torch.cuda.current_stream(dev).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            run()
-        return graph
+        return capture_graph(run, self.device, self._pool)
