@@ -92,6 +92,20 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def call_main(capsys: Any, module: str, *args: str) -> subprocess.CompletedProcess:
+    """``module.main(args)`` in this process, as ``run_module`` would run it: its exit code
+    (returned or raised as SystemExit) and the output ``capsys`` captured."""
+    import importlib
+
+    capsys.readouterr()
+    try:
+        code = importlib.import_module(module).main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([module, *args], code, out.out, out.err)
+
+
 def assert_usage_error(p: subprocess.CompletedProcess, prog: str, *words: str) -> None:
     """Bad input as the project reports it: exit 2, no traceback, a stderr line ``{prog}: error:
     ...`` that, with the lines after it (one a config problem), holds every one of ``words``."""

@@ -1,11 +1,11 @@
 """Bad input to the connector's commands: one line naming the flag (or the variable) and the fix,
 exit 2, no traceback. The missing-Python test runs the launcher as a user runs it (``python -m``);
 the others call the same ``main(argv)`` in this process."""
+import functools
 import socket
-import subprocess
 
 import pytest
-from miles.testing import assert_usage_error, listening_port, run_module
+from miles.testing import assert_usage_error, call_main, listening_port, run_module
 
 LAUNCH = "miles_plugin_harbor.launch"
 PROG = f"python -m {LAUNCH}"
@@ -13,20 +13,8 @@ PROG = f"python -m {LAUNCH}"
 
 @pytest.fixture
 def run(capsys):
-    """``run(module, *args)``: the module's ``main(args)`` in this process, its exit code (returned
-    or raised as SystemExit) and its captured output as a CompletedProcess."""
-    import importlib
-
-    def call(module: str, *args: str) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        try:
-            code = importlib.import_module(module).main(list(args))
-        except SystemExit as e:
-            code = e.code
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess([module, *args], code, out.out, out.err)
-
-    return call
+    """``run(module, *args)``: the module's ``main(args)`` in this process (``miles.testing.call_main``)."""
+    return functools.partial(call_main, capsys)
 
 
 @pytest.fixture
