@@ -695,6 +695,18 @@ class RoutesExperts(Protocol):
 
 
 @runtime_checkable
+class OffersEngineAttention(Protocol):
+    """An architecture with an inference-only attention for the engine's own model instance:
+    ``engine_attention(model)`` replaces the forward of each of ``model``'s attention modules in
+    place (e.g. multi-latent attention decoding over its cached latent with the up-projections
+    absorbed) and returns how many it replaced. Weight names and shapes stay as they are (weight
+    sync, quantized engine weights and routing replay see the same modules); forwards without a
+    cache give transformers' result bit for bit. Trainers never call it."""
+
+    def engine_attention(self, model: "torch.nn.Module") -> int: ...
+
+
+@runtime_checkable
 class KnowsArchitecture(Protocol):
     """A model spec that names its model's ``Architecture``: ``architecture()`` (None: no plugin
     registered one for its ``model_type``; everything then runs the generic way)."""
