@@ -133,10 +133,12 @@ class TorchEngine(WeightReceiver):
             raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
         # an architecture whose layers do not mask left padding (e.g. token compression by absolute
         # position) generates each prompt's samples on their own: one prompt per forward
-        from miles.protocols import KnowsArchitecture
+        from miles.protocols import KnowsArchitecture, OffersEngineAttention
 
         arch = spec.architecture() if isinstance(spec, KnowsArchitecture) else None
         self._one_prompt = arch is not None and not arch.padded_batches
+        if isinstance(arch, OffersEngineAttention):  # e.g. MLA decoding over its cached latent
+            arch.engine_attention(self.model)
         if self._one_prompt and self._fast is not None:
             raise ValueError("torch engine: this architecture runs the model's own forward; set engine.impl=hf")
         self._p2p: Any = None

@@ -26,6 +26,12 @@ class DeepseekV3:
 
         return attach_nextn(model, nextn_layer(m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm), folder)
 
+    def engine_attention(self, model: torch.nn.Module) -> int:
+        """MLA decoding over the cached latent with ``kv_b_proj`` absorbed (``mla.py``)."""
+        from .mla import absorb
+
+        return absorb(model)
+
     def megatron_arch(self, hf: Any) -> dict[str, Any]:
         """Multi-latent attention (megatron-core's MLA modules) over sigmoid-routed MoE."""
         from miles import MilesError
