@@ -242,3 +242,98 @@ def test_arch_recipe_short_run(family, tmp_path):
     assert steps[0]["train_rollout_logprob_abs_diff"] < 1e-3  # float32 engine, experts replayed
     warm = [json.loads(line)["sft_loss"] for line in (out / "warm_start.jsonl").read_text().splitlines()]
     assert len(warm) == 2 and warm[1] < warm[0], warm
+
+
+# -- DeepSeek-V3's engine attention: decoding over the cached MLA latent ---------------------------
+def _kv_b_calls(model):
+    """Per ``kv_b_proj``, the token counts of its forwards (transformers' MLA runs it over the
+    whole cache at every step; the absorbed decode reads its weight instead)."""
+    calls = []
+    for name, m in model.named_modules():
+        if name.endswith("kv_b_proj"):
+            m.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[-2]))
+    return calls
+
+
+@pytest.mark.parametrize("weights_dtype", ["model", "fp8"])
+def test_deepseek_v3_engine_decodes_over_the_latent_cache(weights_dtype, tok):
+    """Padded prompts of different lengths, 2 samples each: the decode steps never expand the
+    cache, and the log-probs equal a plain transformers model's forward (for FP8 engine weights,
+    the same quantized modules' forward), also after a weight sync."""
+    from miles.protocols import OffersEngineAttention
+    from miles_plugin_torch_engine.config import TorchEngineConfig
+    from miles_plugin_torch_engine.engine import TorchEngine
+
+    spec = make_spec("deepseek_v3", replay=False)
+    assert isinstance(spec.architecture(), OffersEngineAttention)
+    # FP8 GEMMs (scaled_mm) would also round the latent to e4m3 before kv_b_proj, which the
+    # absorbed form does not: the weight-only FP8 GEMM is the one both forms compute alike
+    quant = {"fp8_gemm": "dequantized"} if weights_dtype == "fp8" else {}
+    engine = TorchEngine(TorchEngineConfig(impl="hf", weights_dtype=weights_dtype, **quant), spec=spec,
+                         tokenizer=tok, seed=0)
+    if weights_dtype == "model":  # a transformers model of the engine's weights, its attention untouched
+        reference = spec.build_model(tok).eval()
+        assert type(reference.model.layers[0].self_attn).forward is reference.model.layers[0].self_attn.forward.__func__
+    else:  # transformers' own attention over the same quantized modules: the engine's, cache-less
+        reference = engine.model
+    calls = _kv_b_calls(engine.model)
+    for version, seed in ((1, 1), (2, 7)):
+        weights = lively(engine.model if weights_dtype == "model" else spec.build_model(tok), seed)
+        engine.load_weights(weights, version=version)
+        if reference is not engine.model:
+            reference.load_state_dict(dict(weights), strict=False)
+        calls.clear()
+        outs = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), n=2)
+        cfg = engine.model.config
+        # the prefill alone; a quantized kv_b_proj also derives its weight once per layer and version
+        derived = [cfg.kv_lora_rank] * cfg.num_hidden_layers if weights_dtype == "fp8" else []
+        assert calls == [max(len(p) for p in PROMPTS)] * cfg.num_hidden_layers + derived, calls
+        assert max(len(c.token_ids) for cs in outs for c in cs) == 8  # decoded, not stopped at once
+        worst = 0.0
+        for prompt, comps in zip(PROMPTS, outs):
+            for comp in comps:
+                want = reference_logprobs(reference, prompt, comp.token_ids)
+                worst = max(worst, (want - torch.tensor(comp.logprobs)).abs().max().item())
+        assert worst < 1e-5, f"v{version}: engine log-probs differ from transformers' forward by {worst:.2e}"
+
+
+def test_deepseek_v3_latent_cache_holds_the_latent_and_rope_key_and_survives_reorder_and_crop(tok):
+    """Per token and layer the cache holds kv_lora_rank + qk_rope_head_dim numbers; a row-repeated
+    (n samples) and a cropped (rejected draft tokens) cache decode as a fresh one."""
+    spec = make_spec("deepseek_v3", replay=False)
+    engine = make_engine(spec, tok)
+    cfg, model = engine.model.config, engine.model
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7], [2, 11, 12, 13, 14, 15]])
+    mask = (torch.arange(6) >= torch.tensor([[3], [0]])).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        cache = engine._forward(ids, mask, pos).past_key_values
+        for layer in cache.layers:
+            assert tuple(layer.keys.shape) == (2, 1, 6, cfg.kv_lora_rank)
+            assert tuple(layer.values.shape) == (2, 1, 6, cfg.qk_rope_head_dim)
+        cache.reorder_cache(torch.tensor([0, 0, 1, 1]))  # two samples per prompt
+        step = torch.tensor([[9], [10], [9], [10]])
+        full_mask = torch.cat([mask.repeat_interleave(2, 0), torch.ones(4, 1, dtype=torch.long)], 1)
+        got = engine._forward(step, full_mask, pos[:, -1:].repeat_interleave(2, 0) + 1, cache).logits[:, -1]
+        assert cache.get_seq_length() == 7
+        cache.crop(-1)  # drop the decoded token, decode it again
+        again = engine._forward(step, full_mask, pos[:, -1:].repeat_interleave(2, 0) + 1, cache).logits[:, -1]
+        reference = spec.build_model(tok).eval()
+        reference.load_state_dict(model.state_dict())
+        want = reference(input_ids=torch.cat([ids.repeat_interleave(2, 0), step], 1), attention_mask=full_mask,
+                         position_ids=torch.cat([pos, pos[:, -1:] + 1], 1).repeat_interleave(2, 0),
+                         use_cache=False).logits[:, -1]
+    assert (got - want).abs().max() < 1e-5 and torch.equal(got, again)
+    assert (got[0] - got[1]).abs().max() > 1e-3  # the two steps' tokens differ: rows were not mixed up
+
+
+def test_deepseek_v3_routing_replay_records_through_the_latent_decode(rollouts):
+    """The replay engine decodes with the absorbed attention, so the replay test above checks the
+    experts recorded over it; here: every decode step was recorded, as many as tokens fed back."""
+    spec, engine, batch = rollouts("deepseek_v3")
+    attn = engine.model.model.layers[0].self_attn
+    assert attn.forward.__func__ is not type(attn).forward
+    assert len(spec.architecture().routers(engine.model)) == 1  # the MoE layer's router, still hooked
+    for s in batch.samples:
+        rec = s.extensions["moe"]["routed_experts"]
+        assert rec.shape[0] == len(s.prompt_ids) + len(s.response_ids) - 1 and (rec >= 0).all()
