@@ -53,6 +53,18 @@ class Arch:
     scaling: float | None = None  # routed experts' weights scaled by this
     shared_ffn: int = 0  # shared experts' total FFN size (0: none)
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense FFN of size ``ffn``
+    shared_gate: bool = False  # the shared experts' output scaled by a learned sigmoid gate per token
+    shared_hf: str = "shared_experts"  # the HF module name of the shared experts (Qwen: shared_expert)
+    zero_centered_norms: bool = False  # every RMSNorm scales by 1 + weight (Qwen3-Next, Qwen3.5)
+    attention_gate: bool = False  # a sigmoid gate per attention output channel, from q_proj
+    # gated DeltaNet linear attention (its module: the architecture's EditsMegatronLayers edit)
+    linear_layers: tuple[int, ...] = ()  # layers whose attention is linear (the rest: softmax attention)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv: int = 0  # the causal convolution's kernel size
+    linear_grouped: bool = False  # HF packs the projections per key head (in_proj_qkvz, in_proj_ba)
 
     @property
     def moe(self) -> bool:
@@ -123,7 +135,8 @@ def _described(hf: Any, architecture: Any) -> Arch:
     base = dict(family=hf.model_type, num_layers=hf.num_hidden_layers, hidden=hf.hidden_size, heads=heads,
                 kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
                 head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-                ffn=hf.intermediate_size, vocab=hf.vocab_size, max_positions=hf.max_position_embeddings,
+                ffn=getattr(hf, "intermediate_size", 0),  # Qwen3.5 MoE: experts only
+                vocab=hf.vocab_size, max_positions=hf.max_position_embeddings,
                 eps=hf.rms_norm_eps, rope_theta=float(rope.get("rope_theta", 10000.0)),
                 tied=bool(hf.tie_word_embeddings), qkv_bias=bool(getattr(hf, "attention_bias", False)),
                 qk_norm=False)
@@ -154,7 +167,18 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
         if arch.groups > 1:
             kw.update(moe_router_num_groups=arch.groups, moe_router_group_topk=arch.group_topk)
         if arch.shared_ffn:
-            kw.update(moe_shared_expert_intermediate_size=arch.shared_ffn)
+            kw.update(moe_shared_expert_intermediate_size=arch.shared_ffn, moe_shared_expert_gate=arch.shared_gate)
+    if arch.linear_layers:
+        # megatron-core's own description of a hybrid stack (1 = linear attention); the module that
+        # reads it is the architecture's, put in by its layer-spec edit
+        kw.update(linear_attention_freq=[int(i in arch.linear_layers) for i in range(arch.num_layers)],
+                  linear_conv_kernel_dim=arch.linear_conv, linear_key_head_dim=arch.linear_key_dim,
+                  linear_value_head_dim=arch.linear_value_dim, linear_num_key_heads=arch.linear_key_heads,
+                  linear_num_value_heads=arch.linear_value_heads)
+    if arch.attention_gate:
+        kw.update(attention_output_gate=True)
+    if arch.zero_centered_norms:
+        kw.update(layernorm_zero_centered_gamma=True)
     if arch.mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig
 
@@ -286,7 +310,26 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
             mlp.linear_fc1, mlp.linear_fc2 = column, row
     if moe and mlp is not None and hasattr(mlp, "router"):
         mlp.router = fp32_router()
+    if arch.zero_centered_norms:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        attn.q_layernorm = attn.k_layernorm = ZeroCenteredRMSNorm
     return edit(spec) if edit is not None else spec
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm that scales by ``1 + weight`` (megatron-core's ``layernorm_zero_centered_gamma``,
+    which the local spec's torch norm refuses), normalising in fp32 as Qwen3-Next's norm does.
+    The stored weight is the checkpoint's own, so conversion copies it unchanged."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
 
 
 @functools.cache
@@ -315,19 +358,19 @@ def _with_eps(norm: Any, eps: float) -> type:
 
 def block_spec(arch: Arch, config: Any, edit: Callable[[Any], Any] | None = None, tp: int = 1,
                vp_stage: int | None = None) -> Any:
-    """One layer spec for every layer, or, where dense and MoE layers mix, the spec of each layer
-    of this pipeline stage (or virtual chunk)."""
-    if not arch.dense_layers:
+    """One layer spec for every layer, or, where dense and MoE layers mix (or the final norm is
+    zero-centred), the spec of each layer of this pipeline stage (or virtual chunk)."""
+    if not arch.dense_layers and not arch.zero_centered_norms:
         return layer_spec(arch, edit, tp)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    kinds = {m: layer_spec(arch, edit, tp, moe=m) for m in (False, True)}
+    kinds = {m: layer_spec(arch, edit, tp, moe=m) for m in {arch.moe_layer(i) for i in range(arch.num_layers)}}
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[kinds[arch.moe_layer(i)] for i in range(offset, offset + count)],
-                                      layer_norm=LayerNormImpl)
+                                      layer_norm=ZeroCenteredRMSNorm if arch.zero_centered_norms else LayerNormImpl)
 
 
 def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True, post_process: bool = True,

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
+from . import convert_gated as gated
 from .arch import Arch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -32,6 +33,7 @@ _TP_DIM = {"self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bia
            "self_attention.linear_q_up_proj.weight": 0, "self_attention.linear_kv_down_proj.weight": 0,
            "self_attention.linear_kv_up_proj.weight": 0,
            "mlp.shared_experts.linear_fc1.weight": 0, "mlp.shared_experts.linear_fc2.weight": 1}
+_TP_DIM.update(gated.TP_DIM)  # gated DeltaNet (convert_gated.py)
 # multi-latent attention: Megatron name -> HF name under ``self_attn.``
 _MLA = {"linear_q_proj.weight": "q_proj.weight", "linear_q_down_proj.weight": "q_a_proj.weight",
         "q_layernorm.weight": "q_a_layernorm.weight", "linear_q_up_proj.weight": "q_b_proj.weight",
@@ -79,19 +81,11 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
     p = f"model.layers.{i}."
     a = p + "self_attn."
     out = {"input_layernorm.weight": hf[p + "input_layernorm.weight"],
-           "pre_mlp_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
-           "self_attention.linear_proj.weight": hf[a + "o_proj.weight"]}
-    if arch.mla:
-        out.update({f"self_attention.{m}": hf[a + h] for m, h in _MLA.items() if a + h in hf})
+           "pre_mlp_layernorm.weight": hf[p + "post_attention_layernorm.weight"]}
+    if i in arch.linear_layers:  # gated DeltaNet in place of attention
+        out.update(gated.delta_to_mcore(hf, arch, p + "linear_attn."))
     else:
-        out["self_attention.linear_qkv.weight"] = _qkv(arch, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"],
-                                                       hf[a + "v_proj.weight"])
-    if arch.qkv_bias:
-        out["self_attention.linear_qkv.bias"] = _qkv(arch, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"],
-                                                     hf[a + "v_proj.bias"])
-    if arch.qk_norm:
-        out["self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
-        out["self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
+        out.update(_attention_to_mcore(hf, arch, a))
     m = p + "mlp."
     if not arch.moe_layer(i):
         out["mlp.linear_fc1.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
@@ -101,10 +95,12 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
     if arch.expert_bias:
         out["mlp.router.expert_bias"] = hf[m + "gate.e_score_correction_bias"]
     if arch.shared_ffn:
-        s = m + "shared_experts."
+        s = f"{m}{arch.shared_hf}."
         out["mlp.shared_experts.linear_fc1.weight"] = torch.cat([hf[s + "gate_proj.weight"],
                                                                  hf[s + "up_proj.weight"]])
         out["mlp.shared_experts.linear_fc2.weight"] = hf[s + "down_proj.weight"]
+        if arch.shared_gate:
+            out["mlp.shared_experts.gate_weight"] = hf[m + "shared_expert_gate.weight"]
     fused = m + "experts.gate_up_proj" in hf
     for e in range(arch.experts):
         x = f"mlp.experts.local_experts.{e}."
@@ -115,6 +111,26 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
             q = f"{m}experts.{e}."
             out[x + "linear_fc1.weight"] = torch.cat([hf[q + "gate_proj.weight"], hf[q + "up_proj.weight"]])
             out[x + "linear_fc2.weight"] = hf[q + "down_proj.weight"]
+    return out
+
+
+def _attention_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, a: str) -> dict[str, torch.Tensor]:
+    """A softmax-attention layer's ``self_attention.*`` tensors (HF names under ``a``)."""
+    out = {"self_attention.linear_proj.weight": hf[a + "o_proj.weight"]}
+    if arch.mla:
+        out.update({f"self_attention.{m}": hf[a + h] for m, h in _MLA.items() if a + h in hf})
+    elif arch.attention_gate:
+        out["self_attention.linear_qkv.weight"] = gated.gated_qkv(arch, hf[a + "q_proj.weight"],
+                                                                  hf[a + "k_proj.weight"], hf[a + "v_proj.weight"])
+    else:
+        out["self_attention.linear_qkv.weight"] = _qkv(arch, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"],
+                                                       hf[a + "v_proj.weight"])
+    if arch.qkv_bias:
+        out["self_attention.linear_qkv.bias"] = _qkv(arch, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"],
+                                                     hf[a + "v_proj.bias"])
+    if arch.qk_norm:
+        out["self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
+        out["self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
     return out
 
 
@@ -145,22 +161,34 @@ def _layer_to_hf(mc: dict[str, torch.Tensor], arch: Arch, i: int, fused: bool) -
     p, out = f"model.layers.{i}.", {}
     a, m = p + "self_attn.", p + "mlp."
     experts: dict[int, dict[str, torch.Tensor]] = {}
+    delta: dict[str, torch.Tensor] = {}
     for name, t in mc.items():
-        if name == "self_attention.linear_qkv.weight" or name == "self_attention.linear_qkv.bias":
+        if i in arch.linear_layers and name.startswith("self_attention."):
+            delta[name[15:]] = t
+        elif arch.attention_gate and name == "self_attention.linear_qkv.weight":
+            for proj, x in zip("qkv", gated.ungated_qkv(arch, t)):
+                out[f"{a}{proj}_proj.weight"] = x
+        elif name == "self_attention.linear_qkv.weight" or name == "self_attention.linear_qkv.bias":
             kind = name.rsplit(".", 1)[1]
             for proj, x in zip("qkv", _unqkv(arch, t)):
                 out[f"{a}{proj}_proj.{kind}"] = x
         elif name in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
-            q = m if name == "mlp.linear_fc1.weight" else m + "shared_experts."
+            q = m if name == "mlp.linear_fc1.weight" else f"{m}{arch.shared_hf}."
             out[q + "gate_proj.weight"], out[q + "up_proj.weight"] = (x.clone() for x in t.chunk(2))
         elif arch.mla and name.startswith("self_attention.") and name[15:] in _MLA:
             out[a + _MLA[name[15:]]] = t
         elif (hit := _EXPERT.match(name)) is not None:
             experts.setdefault(int(hit[1]), {})[hit[2]] = t
+        elif name == "mlp.shared_experts.linear_fc2.weight":
+            out[f"{m}{arch.shared_hf}.down_proj.weight"] = t
+        elif name == "mlp.shared_experts.gate_weight":
+            out[m + "shared_expert_gate.weight"] = t
         elif name in _SIMPLE:
             out[p + _SIMPLE[name]] = t
         elif not name.endswith("_extra_state"):
             raise KeyError(f"no Hugging Face name for Megatron weight decoder.layers.{i}.{name}")
+    if delta:
+        out.update(gated.delta_to_hf(delta, arch, p + "linear_attn."))
     if experts:
         if len(experts) != arch.experts:
             raise KeyError(f"layer {i}: {len(experts)} of {arch.experts} experts given; convert a "
@@ -217,23 +245,28 @@ def _is_fc1(name: str) -> bool:
     return name.endswith("linear_fc1.weight")
 
 
-def tp_split(name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
+def tp_split(name: str, full: torch.Tensor, tp: int, arch: Arch | None = None) -> list[torch.Tensor]:
     """The ``tp`` shards of one full Megatron weight, as TP ranks 0..tp-1 hold them. A gated
-    ``linear_fc1`` shard is ``[gate_r; up_r]`` (each rank computes its own SwiGLU slice)."""
+    ``linear_fc1`` shard is ``[gate_r; up_r]`` (each rank computes its own SwiGLU slice), and a
+    DeltaNet's ``in_proj`` / ``conv1d`` one holds its slice of each part (``arch`` sizes them)."""
     dim = tp_dim(name)
     if dim is None or tp == 1:
         return [full] * tp if dim is None else [full]
+    if (parts := gated.tp_parts(name, arch) if arch is not None and arch.linear_layers else None):
+        return gated.split_parts(full, parts, tp)
     if _is_fc1(name):
         gate, up = full.chunk(2)
         return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
     return [x.clone() for x in full.chunk(tp, dim=dim)]
 
 
-def tp_merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+def tp_merge(name: str, shards: list[torch.Tensor], arch: Arch | None = None) -> torch.Tensor:
     """Inverse of :func:`tp_split`."""
     dim = tp_dim(name)
     if dim is None or len(shards) == 1:
         return shards[0]
+    if (parts := gated.tp_parts(name, arch) if arch is not None and arch.linear_layers else None):
+        return gated.merge_parts(shards, parts)
     if _is_fc1(name):
         pairs = [s.chunk(2) for s in shards]
         return torch.cat([torch.cat([g for g, _ in pairs]), torch.cat([u for _, u in pairs])])
@@ -270,7 +303,7 @@ def shard(full: dict[str, torch.Tensor], arch: Arch, *, tp: int = 1, tp_rank: in
     for name, t in full.items():
         local = expert_local(name, arch, ep, ep_rank)
         if local is not None:
-            out[local] = tp_split(name, t, tp)[tp_rank]
+            out[local] = tp_split(name, t, tp, arch)[tp_rank]
     return out
 
 
@@ -282,7 +315,7 @@ def unshard(shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: Arch, 
         for local in shards[(0, r)]:
             name = expert_global(local, arch, ep, r)
             if name not in out:
-                out[name] = tp_merge(name, [shards[(t, r)][local] for t in range(tp)])
+                out[name] = tp_merge(name, [shards[(t, r)][local] for t in range(tp)], arch)
     return out
 
 

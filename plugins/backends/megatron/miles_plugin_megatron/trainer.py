@@ -417,7 +417,7 @@ class MegatronTrainer:
             for name in names:
                 t = local[name].detach()
                 parts = par.all_gather(t, tp_group) if convert.tp_dim(name) is not None else [t]
-                merged = convert.tp_merge(name, parts)
+                merged = convert.tp_merge(name, parts, self.arch)
                 if "local_experts" in name and self.ep > 1:
                     for r, x in enumerate(par.all_gather(merged, ep_group)):
                         full[convert.expert_global(name, self.arch, self.ep, r)] = x

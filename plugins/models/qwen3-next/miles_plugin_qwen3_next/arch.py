@@ -33,6 +33,19 @@ class Qwen3Next:
     def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         return [m for m in model.modules() if type(m).__name__ in ROUTERS]
 
+    def megatron_arch(self, hf: Any) -> dict[str, Any]:
+        """Gated attention (partial RoPE, zero-centred q/k norms) and gated DeltaNet layers over
+        softmax-routed MoE with a gated shared expert (``megatron.py``)."""
+        from .megatron import megatron_arch
+
+        return megatron_arch(hf)
+
+    def megatron_layer_spec(self, layer_spec: Any) -> Any:
+        """The DeltaNet module megatron-core builds without flash-linear-attention's kernels."""
+        from .megatron import layer_spec as edit
+
+        return edit(layer_spec)
+
     def gate_weights(self, router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         normalize = bool(getattr(router, "norm_topk_prob", True))  # Qwen3.5's router has no switch
         return softmax_topk_weights(logits, indices, normalize)
