@@ -36,9 +36,14 @@ def test_matching_formats_keep_rollout_and_training_aligned(tmp_path, pair):
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps), steps
 
 
-def test_export_writes_the_weights_rollout_served(tmp_path):
+def test_export_writes_the_weights_rollout_served(tmp_path, capsys):
     tiny_run(tmp_path, "trainer.qat=int4", "engine.weights_dtype=int4")
+    capsys.readouterr()
     assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "export")]) == 0
+    # rows 32 long are no multiple of compressed-tensors' 128-weight groups: the default stays dense, and says so
+    assert "INT4 weights written dense" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "ct"), "--format", "compressed-tensors"]) == 2
+    assert "multiple of 128" in capsys.readouterr().err and not (tmp_path / "ct").exists()
     from miles_lowp.int4 import qdq_int4
     from transformers import AutoModelForCausalLM
 
