@@ -65,6 +65,22 @@ class Arch:
     linear_value_dim: int = 0
     linear_conv: int = 0  # the causal convolution's kernel size
     linear_grouped: bool = False  # HF packs the projections per key head (in_proj_qkvz, in_proj_ba)
+    linear_bias: bool = False  # biases on the attention output, expert and router projections too
+    sinks: bool = False  # a learned per-head logit beside the keys in each softmax (megatron "learnable")
+    window: int = 0  # sliding window: a query sees itself and the ``window - 1`` tokens before it
+    window_layers: tuple[int, ...] = ()  # the layers with that window (the others attend fully)
+    glu_alpha: float | None = None  # gate activation x * sigmoid(alpha * x) (None: SiLU)
+    glu_limit: float | None = None  # gate clamped above, linear half clamped to +-limit
+    glu_offset: float = 0.0  # added to the linear half of the GLU
+    hf_router: str = "gate"  # the router's module name under ``mlp.`` in Hugging Face names
+    hf_experts: str = "stacked"  # "interleaved": gpt-oss' [E, H, 2I] gate/up columns alternating, biases
+    # YaRN (``yarn_factor`` > 1; 1: plain RoPE), as transformers' ``rope_parameters`` give it
+    yarn_factor: float = 1.0
+    yarn_original_max: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True  # correction range rounded to whole dimensions
+    yarn_mscale: tuple[float, float] | None = None  # (mscale, mscale_all_dim); None: from the factor alone
 
     @property
     def moe(self) -> bool:
@@ -97,10 +113,6 @@ def arch_of(hf: Any, architecture: Any = None) -> Arch:
                          f"{', '.join(FAMILIES)}, and families whose architecture plugin builds Megatron "
                          f"models); use trainer.name=fsdp2 for other architectures")
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise MilesError(f"trainer megatron: rope scaling {rope.get('rope_type') or rope.get('type')!r} "
-                         f"is not supported (only plain RoPE)")
-    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     heads = hf.num_attention_heads
     experts = getattr(hf, "num_experts", 0) if family == "qwen3_moe" else 0
     if experts and (getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1):
@@ -111,12 +123,42 @@ def arch_of(hf: Any, architecture: Any = None) -> Arch:
         kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
         ffn=hf.intermediate_size, vocab=hf.vocab_size, max_positions=hf.max_position_embeddings,
-        eps=hf.rms_norm_eps, rope_theta=float(theta), tied=bool(hf.tie_word_embeddings),
+        eps=hf.rms_norm_eps, tied=bool(hf.tie_word_embeddings),
         qkv_bias=family == "qwen2" or bool(getattr(hf, "attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         experts=experts, topk=getattr(hf, "num_experts_per_tok", 0) if experts else 0,
         moe_ffn=getattr(hf, "moe_intermediate_size", 0) if experts else 0,
-        norm_topk=bool(getattr(hf, "norm_topk_prob", True)))
+        norm_topk=bool(getattr(hf, "norm_topk_prob", True)), **_rope(hf, rope))
+
+
+def _rope(hf: Any, rope: dict[str, Any], mla: bool = False) -> dict[str, Any]:
+    """The ``Arch`` rotary fields of a config's ``rope_parameters``: plain RoPE, or YaRN (megatron-core's
+    ``YarnRotaryEmbedding``, the same frequencies and cos/sin scale as transformers')."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
+    if kind == "default":
+        return {"rope_theta": theta}
+    if kind != "yarn" or mla:
+        raise MilesError(f"trainer megatron: model.config.rope_parameters.rope_type {kind!r} is not supported "
+                         f"(plain RoPE, or YaRN without multi-latent attention)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise MilesError("trainer megatron: YaRN with model.config.rope_parameters.partial_rotary_factor != 1 "
+                         "is not supported")
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
+
+    original = int(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or hf.max_position_embeddings / original)
+    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    pair = (float(mscale), float(all_dim)) if mscale and all_dim else None
+    own = _yarn_get_concentration_factor(factor, *(pair or (None, None)))
+    if rope.get("attention_factor") is not None and rope["attention_factor"] != own:
+        raise MilesError(f"trainer megatron: model.config.rope_parameters.attention_factor="
+                         f"{rope['attention_factor']} is not supported: megatron-core derives it from factor, "
+                         f"mscale and mscale_all_dim ({own}); remove the key or match it")
+    return {"rope_theta": theta, "yarn_factor": factor, "yarn_original_max": original,
+            "yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "yarn_beta_slow": float(rope.get("beta_slow") or 1.0),
+            "yarn_truncate": bool(rope.get("truncate", True)), "yarn_mscale": pair}
 
 
 def _described(hf: Any, architecture: Any) -> Arch:
@@ -137,13 +179,9 @@ def _described(hf: Any, architecture: Any) -> Arch:
                 head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
                 ffn=getattr(hf, "intermediate_size", 0),  # Qwen3.5 MoE: experts only
                 vocab=hf.vocab_size, max_positions=hf.max_position_embeddings,
-                eps=hf.rms_norm_eps, rope_theta=float(rope.get("rope_theta", 10000.0)),
-                tied=bool(hf.tie_word_embeddings), qkv_bias=bool(getattr(hf, "attention_bias", False)),
-                qk_norm=False)
-    if rope.get("rope_type", "default") != "default":
-        raise MilesError(f"trainer megatron: rope scaling {rope.get('rope_type')!r} is not supported "
-                         f"(only plain RoPE)")
-    return Arch(**{**base, **fields})
+                eps=hf.rms_norm_eps, tied=bool(hf.tie_word_embeddings),
+                qkv_bias=bool(getattr(hf, "attention_bias", False)), qk_norm=False)
+    return Arch(**{**base, **_rope(hf, rope, mla=fields.get("kv_lora_rank", 0) > 0), **fields})
 
 
 def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp: int = 1,
@@ -188,11 +226,21 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
                   qk_head_dim=arch.qk_nope_dim, qk_pos_emb_head_dim=arch.qk_rope_dim, v_head_dim=arch.v_head_dim,
                   rope_type="rope", rotary_base=arch.rope_theta, rotary_scaling_factor=1.0,
                   rotary_percent=arch.rotary_fraction)
-    return TransformerConfig(
+    if arch.sinks:
+        kw.update(softmax_type="learnable")
+    if arch.window:  # megatron-core's (left, right) window: ``window - 1`` tokens back, none ahead
+        kw.update(window_size=(arch.window - 1, 0),
+                  window_attn_skip_freq=[int(i in arch.window_layers) for i in range(arch.num_layers)])
+    activation = torch.nn.functional.silu
+    if arch.glu_alpha is not None:
+        # the clamped GLU runs megatron-core's unfused path (its fused kernels take no clamp with a bias)
+        kw.update(glu_linear_offset=arch.glu_offset, activation_func_clamp_value=arch.glu_limit)
+        activation, fused = _sigmoid_gelu(arch.glu_alpha), False
+    config = TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
         num_query_groups=arch.kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn,
         normalization="RMSNorm", layernorm_epsilon=arch.eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        activation_func=activation, add_bias_linear=arch.linear_bias, add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_norm or arch.mla, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, bias_activation_fusion=fused, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
@@ -201,32 +249,84 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
         bf16=params_dtype == torch.bfloat16,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         use_cpu_initialization=True, perform_initialization=False, **kw)
+    if arch.yarn_factor > 1:  # read by name (getattr) by GPTModel's YaRN embedding and its attention
+        mscale, all_dim = arch.yarn_mscale or (None, None)
+        for key, value in dict(yarn_rotary_scaling_factor=arch.yarn_factor,
+                               yarn_original_max_position_embeddings=arch.yarn_original_max,
+                               yarn_beta_fast=arch.yarn_beta_fast, yarn_beta_slow=arch.yarn_beta_slow,
+                               yarn_mscale=mscale, yarn_mscale_all_dim=all_dim,
+                               yarn_correction_range_round_to_int=arch.yarn_truncate).items():
+            setattr(config, key, value)
+    return config
+
+
+def _sigmoid_gelu(alpha: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x * sigmoid(alpha * x)`` in plain torch (megatron-core's ``quick_gelu`` fixes alpha at 1.702
+    and is torch.compile'd, which its unfused GLU path does not need)."""
+    return functools.partial(_scaled_sigmoid_gelu, alpha=alpha)
+
+
+def _scaled_sigmoid_gelu(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    return x * torch.sigmoid(alpha * x)
 
 
 class SDPAttention(torch.nn.Module):
     """Causal core attention by ``torch.nn.functional.scaled_dot_product_attention`` (flash /
     memory-efficient kernels), in place of the local spec's ``DotProductAttention``, which
-    materialises every ``[S, S]`` score matrix. Rows are right-padded, so a causal mask is exact."""
+    materialises every ``[S, S]`` score matrix. Rows are right-padded, so a causal mask is exact.
+    It reads the config as ``DotProductAttention`` does: this layer's sliding window
+    (``window_size``, ``window_attn_skip_freq``) and learned sinks (``softmax_type="learnable"``:
+    a per-head ``softmax_offset`` logit in every softmax, whose value vector is zero)."""
 
     def __init__(self, config: Any, layer_number: int = 0, attn_mask_type: Any = None,
                  attention_type: str = "self", attention_dropout: float | None = None,
                  softmax_scale: float | None = None, **_: Any):
+        from megatron.core.transformer.utils import is_layer_window_attention
+
         super().__init__()
         self.config = config
         self.scale = softmax_scale
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, max(1, layer_number))
+        self.window = config.window_size[0] if windowed else None
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+        elif config.softmax_type != "vanilla":
+            raise MilesError(f"trainer megatron: softmax_type {config.softmax_type!r} is not supported")
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_):
         sq, b, heads, dim = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         gqa = k.shape[1] != heads  # grouped-query attention: each K/V head serves heads/groups queries
-        native = gqa and _flash_gqa(q)
+        native = gqa and _flash_gqa(q) and self.softmax_offset is None and self.window is None
         if gqa and not native:
             k = k.repeat_interleave(heads // k.shape[1], dim=1)
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                               **({"enable_gqa": True} if native else {}))
+        if self.softmax_offset is None and self.window is None:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                                   **({"enable_gqa": True} if native else {}))
+        else:
+            out = self._masked(q, k, v)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * out.shape[-1])  # MLA: V's head size
+
+    def _masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention under an additive mask: causal, within the window, and with sinks one more key
+        (zero key and value) whose mask entry is the head's sink logit, so its softmax share is the
+        sink's and the gradient reaches it through the mask."""
+        s = q.shape[2]
+        i = torch.arange(s, device=q.device)
+        allowed = i[None, :] <= i[:, None]
+        if self.window is not None:
+            allowed &= i[None, :] >= i[:, None] - self.window
+        mask = torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+        if self.softmax_offset is not None:
+            heads = q.shape[1]
+            sink = self.softmax_offset.to(q.dtype).view(heads, 1, 1).expand(heads, s, 1)
+            mask = torch.cat([mask.expand(heads, s, s), sink], dim=-1)[None]
+            k, v = (torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.shape[3])], dim=2) for t in (k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
 
 def _flash_gqa(q: torch.Tensor) -> bool:
@@ -310,6 +410,10 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
             mlp.linear_fc1, mlp.linear_fc2 = column, row
     if moe and mlp is not None and hasattr(mlp, "router"):
         mlp.router = fp32_router()
+    if moe and mlp is not None and tp == 1 and arch.linear_bias and _submodules(mlp.experts) is not None:
+        # an expert adds its output bias in place, which the one-rank reduction's returned view forbids
+        experts = _submodules(mlp.experts)
+        experts.linear_fc1, experts.linear_fc2 = one_rank_linears()
     if arch.zero_centered_norms:
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
         attn.q_layernorm = attn.k_layernorm = ZeroCenteredRMSNorm
@@ -385,7 +489,7 @@ def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True,
                      max_sequence_length=arch.max_positions, pre_process=pre_process,
                      post_process=post_process,
                      share_embeddings_and_output_weights=arch.tied if tied is None else tied,
-                     position_embedding_type="rope", rotary_base=arch.rope_theta,
+                     position_embedding_type="yarn" if arch.yarn_factor > 1 else "rope", rotary_base=arch.rope_theta,
                      rotary_percent=arch.rotary_fraction,
                      **({"vp_stage": vp_stage} if vp_stage is not None else {}))
     if post_process and not config.sequence_parallel:

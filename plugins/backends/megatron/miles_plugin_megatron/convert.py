@@ -1,11 +1,13 @@
 """Hugging Face <-> megatron-core weights for the local-spec ``GPTModel`` (Llama, Qwen2, Qwen3,
 Qwen3-MoE, and families described by their architecture plugin: DeepSeek-V3's multi-latent
-attention, shared experts, expert bias, dense layers among MoE ones), as pure functions over state
-dicts so they run (and are tested) without a GPU.
+attention, shared experts, expert bias, dense layers among MoE ones; gpt-oss' attention sinks,
+biases and interleaved experts), as pure functions over state dicts so they run (and are tested)
+without a GPU.
 
 Three layers of layout:
 * *HF*: the transformers model's own ``state_dict`` names (fused ``mlp.experts.gate_up_proj``
-  ``[E, 2I, H]`` in transformers 5, per-expert ``gate_proj``/``up_proj`` before it; both read).
+  ``[E, 2I, H]`` in transformers 5, per-expert ``gate_proj``/``up_proj`` before it; both read;
+  gpt-oss' ``[E, H, 2I]`` with gate and up columns alternating).
 * *full Megatron*: the names and shapes of a TP=1, EP=1 model: ``linear_qkv`` holds, per KV
   group, that group's query heads then its key head then its value head; ``linear_fc1`` is
   ``[gate; up]``; the vocabulary is padded to a multiple of the TP size; experts use global indices.
@@ -32,7 +34,9 @@ _TP_DIM = {"self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bia
            "self_attention.linear_q_proj.weight": 0, "self_attention.linear_q_down_proj.weight": 0,
            "self_attention.linear_q_up_proj.weight": 0, "self_attention.linear_kv_down_proj.weight": 0,
            "self_attention.linear_kv_up_proj.weight": 0,
-           "mlp.shared_experts.linear_fc1.weight": 0, "mlp.shared_experts.linear_fc2.weight": 1}
+           "mlp.shared_experts.linear_fc1.weight": 0, "mlp.shared_experts.linear_fc2.weight": 1,
+           # learned attention sinks: one per query head, split as the heads are
+           "self_attention.core_attention.softmax_offset": 0, "linear_fc1.bias": 0, "mlp.linear_fc1.bias": 0}
 _TP_DIM.update(gated.TP_DIM)  # gated DeltaNet (convert_gated.py)
 # multi-latent attention: Megatron name -> HF name under ``self_attn.``
 _MLA = {"linear_q_proj.weight": "q_proj.weight", "linear_q_down_proj.weight": "q_a_proj.weight",
@@ -91,9 +95,12 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
         out["mlp.linear_fc1.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
         out["mlp.linear_fc2.weight"] = hf[m + "down_proj.weight"]
         return out
-    out["mlp.router.weight"] = hf[m + "gate.weight"]
+    r = f"{m}{arch.hf_router}."
+    out["mlp.router.weight"] = hf[r + "weight"]
+    if arch.linear_bias:
+        out["mlp.router.bias"] = hf[r + "bias"]
     if arch.expert_bias:
-        out["mlp.router.expert_bias"] = hf[m + "gate.e_score_correction_bias"]
+        out["mlp.router.expert_bias"] = hf[r + "e_score_correction_bias"]
     if arch.shared_ffn:
         s = f"{m}{arch.shared_hf}."
         out["mlp.shared_experts.linear_fc1.weight"] = torch.cat([hf[s + "gate_proj.weight"],
@@ -101,6 +108,9 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
         out["mlp.shared_experts.linear_fc2.weight"] = hf[s + "down_proj.weight"]
         if arch.shared_gate:
             out["mlp.shared_experts.gate_weight"] = hf[m + "shared_expert_gate.weight"]
+    if arch.hf_experts == "interleaved":
+        out.update(_interleaved_to_mcore(hf, arch, m))
+        return out
     fused = m + "experts.gate_up_proj" in hf
     for e in range(arch.experts):
         x = f"mlp.experts.local_experts.{e}."
@@ -112,6 +122,33 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
             out[x + "linear_fc1.weight"] = torch.cat([hf[q + "gate_proj.weight"], hf[q + "up_proj.weight"]])
             out[x + "linear_fc2.weight"] = hf[q + "down_proj.weight"]
     return out
+
+
+def _interleaved_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, m: str) -> dict[str, torch.Tensor]:
+    """gpt-oss' experts: ``gate_up_proj[e]`` is ``[in, 2I]`` with gate and up columns alternating,
+    ``down_proj[e]`` ``[I, out]``, each with a bias."""
+    out = {}
+    gate_up, gate_up_bias = hf[m + "experts.gate_up_proj"], hf[m + "experts.gate_up_proj_bias"]
+    for e in range(arch.experts):
+        x = f"mlp.experts.local_experts.{e}."
+        out[x + "linear_fc1.weight"] = torch.cat([gate_up[e][:, 0::2].t(), gate_up[e][:, 1::2].t()]).contiguous()
+        out[x + "linear_fc1.bias"] = torch.cat([gate_up_bias[e][0::2], gate_up_bias[e][1::2]])
+        out[x + "linear_fc2.weight"] = hf[m + "experts.down_proj"][e].t().contiguous()
+        out[x + "linear_fc2.bias"] = hf[m + "experts.down_proj_bias"][e].clone()
+    return out
+
+
+def _interleaved_to_hf(experts: dict[int, dict[str, torch.Tensor]], arch: Arch, m: str) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`_interleaved_to_mcore`."""
+    def alternate(fc1: torch.Tensor) -> torch.Tensor:  # [2I, ...] = [gate; up] -> rows gate, up, gate, ...
+        gate, up = fc1.chunk(2)
+        return torch.stack([gate, up], dim=1).reshape(fc1.shape)
+
+    got = [experts[e] for e in range(arch.experts)]
+    return {m + "experts.gate_up_proj": torch.stack([alternate(x["linear_fc1.weight"]).t() for x in got]),
+            m + "experts.gate_up_proj_bias": torch.stack([alternate(x["linear_fc1.bias"]) for x in got]),
+            m + "experts.down_proj": torch.stack([x["linear_fc2.weight"].t() for x in got]),
+            m + "experts.down_proj_bias": torch.stack([x["linear_fc2.bias"] for x in got])}
 
 
 def _attention_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, a: str) -> dict[str, torch.Tensor]:
@@ -128,6 +165,10 @@ def _attention_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, a: str) -> dict
     if arch.qkv_bias:
         out["self_attention.linear_qkv.bias"] = _qkv(arch, hf[a + "q_proj.bias"], hf[a + "k_proj.bias"],
                                                      hf[a + "v_proj.bias"])
+    if arch.linear_bias:
+        out["self_attention.linear_proj.bias"] = hf[a + "o_proj.bias"]
+    if arch.sinks:
+        out["self_attention.core_attention.softmax_offset"] = hf[a + "sinks"]
     if arch.qk_norm:
         out["self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"]
         out["self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"]
@@ -179,6 +220,12 @@ def _layer_to_hf(mc: dict[str, torch.Tensor], arch: Arch, i: int, fused: bool) -
             out[a + _MLA[name[15:]]] = t
         elif (hit := _EXPERT.match(name)) is not None:
             experts.setdefault(int(hit[1]), {})[hit[2]] = t
+        elif name.startswith("mlp.router."):  # weight, bias, and the selection bias under its HF name
+            out[f"{m}{arch.hf_router}.{_ROUTER.get(name[11:], name[11:])}"] = t
+        elif name == "self_attention.linear_proj.bias":
+            out[a + "o_proj.bias"] = t
+        elif name == "self_attention.core_attention.softmax_offset":
+            out[a + "sinks"] = t
         elif name == "mlp.shared_experts.linear_fc2.weight":
             out[f"{m}{arch.shared_hf}.down_proj.weight"] = t
         elif name == "mlp.shared_experts.gate_weight":
@@ -193,6 +240,9 @@ def _layer_to_hf(mc: dict[str, torch.Tensor], arch: Arch, i: int, fused: bool) -
         if len(experts) != arch.experts:
             raise KeyError(f"layer {i}: {len(experts)} of {arch.experts} experts given; convert a "
                            f"layer with all of its experts")
+        if arch.hf_experts == "interleaved":
+            out.update(_interleaved_to_hf(experts, arch, m))
+            return out
         fc1 = [experts[e]["linear_fc1.weight"] for e in range(arch.experts)]
         fc2 = [experts[e]["linear_fc2.weight"] for e in range(arch.experts)]
         if fused:
@@ -212,11 +262,10 @@ _SIMPLE = {"input_layernorm.weight": "input_layernorm.weight",
            "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
            "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
            "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-           "mlp.router.weight": "mlp.gate.weight",
-           "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
            "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight"}
 
 
+_ROUTER = {"expert_bias": "e_score_correction_bias"}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -242,7 +291,7 @@ def tp_dim(name: str) -> int | None:
 
 
 def _is_fc1(name: str) -> bool:
-    return name.endswith("linear_fc1.weight")
+    return name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
 
 
 def tp_split(name: str, full: torch.Tensor, tp: int, arch: Arch | None = None) -> list[torch.Tensor]:

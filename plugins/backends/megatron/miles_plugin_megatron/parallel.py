@@ -42,14 +42,18 @@ def check_layout(cfg: MegatronConfig, arch: Arch, world: int) -> None:
                    f"trainer.pipeline_parallel = {tp} * {pp}")
     if arch.num_layers % pp:
         bad.append(f"trainer.pipeline_parallel={pp} does not divide the model's {arch.num_layers} layers")
+    linear = ((arch.linear_key_heads, "linear_num_key_heads"), (arch.linear_value_heads, "linear_num_value_heads"))
     for n, what in ((arch.heads, "attention heads"), (arch.kv_heads, "KV heads (num_key_value_heads)"),
-                    (arch.ffn, "intermediate_size")):
+                    (arch.ffn, "intermediate_size"), *(linear if arch.linear_layers else ())):
         if n % tp:
             bad.append(f"trainer.tensor_parallel={tp} does not divide the model's {n} {what}")
     if ep > 1 and not arch.moe:
         bad.append(f"trainer.expert_parallel={ep} needs an MoE model; this one is dense: set it to 1")
     if arch.moe and arch.experts % ep:
         bad.append(f"trainer.expert_parallel={ep} does not divide the model's {arch.experts} experts")
+    if arch.moe and arch.linear_bias and tp > 1:
+        bad.append(f"trainer.tensor_parallel={tp}: this model's experts and router have biases, which "
+                   f"megatron-core supports only with unsplit experts (expert tensor parallel 1); set it to 1")
     if arch.moe and arch.moe_ffn % tp:
         bad.append(f"trainer.tensor_parallel={tp} does not divide moe_intermediate_size {arch.moe_ffn}")
     if world % (tp * ep * pp):

@@ -1,6 +1,6 @@
-"""Tiny DeepSeek-V3 and GLM-4.5 models (inline configs, random weights, a non-zero expert bias)
-and a model spec over them that names its architecture, as the hf spec does, for the megatron
-trainer's tests of families described by architecture plugins."""
+"""Tiny DeepSeek-V3, GLM-4.5 and gpt-oss models (inline configs, random weights, non-zero expert
+biases and sinks) and a model spec over them that names its architecture, as the hf spec does, for
+the megatron trainer's tests of families described by architecture plugins."""
 from __future__ import annotations
 
 from typing import Any
@@ -19,10 +19,42 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # grouped-query attention with q/k norms and biases, RoPE on half of each head
     "glm4_moe": {**_MOE, "num_key_value_heads": 2, "head_dim": 16, "n_group": 1, "topk_group": 1,
                  "rms_norm_eps": 1e-5, "routed_scaling_factor": 1.5, "attention_bias": True, "use_qk_norm": True},
+    # biased attention with learned sinks, a 4-token window on the first layer, YaRN; biased experts
+    # whose clamped SwiGLU clamps (limit 0.1) at these weights' scale; top-2 of 8 then a softmax
+    "gpt_oss": {"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "vocab_size": 101, "max_position_embeddings": 64, "sliding_window": 4, "swiglu_limit": 0.1,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
 }
+# the families without multi-token-prediction layers
+NO_MTP = ("gpt_oss",)
+
+
+# Qwen3-Next / Qwen3.5 MoE: gated DeltaNet layers (0, 2) around a gated-attention one (partial
+# RoPE, GQA); top-2 of 8 experts, a gated shared expert; Qwen3-Next's first layer dense
+_GATED = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 101, "max_position_embeddings": 64,
+          "layer_types": ["linear_attention", "full_attention", "linear_attention"], "linear_num_key_heads": 2,
+          "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+          "linear_conv_kernel_dim": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "shared_expert_intermediate_size": 32,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+CONFIGS["qwen3_next"] = {**_GATED, "mlp_only_layers": [0], "norm_topk_prob": False}
+CONFIGS["qwen3_5_moe_text"] = dict(_GATED)
+GATED = ("qwen3_next", "qwen3_5_moe_text")
 
 
 def architecture(family: str) -> Any:
+    if family in GATED:
+        from miles_plugin_qwen3_next.arch import Qwen3Next
+
+        return Qwen3Next()
+    if family == "gpt_oss":
+        from miles_plugin_gpt_oss.arch import GptOss
+
+        return GptOss()
     if family == "deepseek_v3":
         from miles_plugin_deepseek.arch import DeepseekV3
 
@@ -37,6 +69,20 @@ def hf_model(family: str, seed: int = 0, **over: Any) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**CONFIGS[family], **over}))
+    if family in GATED:  # transformers starts the zero-centred norms at 0, the DeltaNet's at 1: move both
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "dt_bias")):
+                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        return model.eval()
+    if family in NO_MTP:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():  # transformers starts the biases at zero, the sinks near it
+            for name, p in model.named_parameters():
+                if name.endswith(("_proj_bias", ".bias", "sinks")):
+                    p.copy_(torch.randn(p.shape, generator=g) * (1.0 if name.endswith("sinks") else 0.1))
+        return model.eval()
     architecture(family).attach_mtp(model, None)  # as the hf spec does: the MTP layer rides along
     with torch.no_grad():  # transformers starts the selection bias at zero: give it a say
         for name, buf in model.named_buffers():

@@ -1,8 +1,10 @@
 """DeepSeek-V3 (multi-latent attention) and GLM-4.5 (partial RoPE, q/k norms, QKV biases) in the
 megatron trainer, each described by its architecture plugin (``BuildsMegatron``): sigmoid routing
-with a selection-only expert bias, group-limited top-k, shared experts and a dense first layer.
+with a selection-only expert bias, group-limited top-k, shared experts and a dense first layer; and
+gpt-oss (attention sinks, sliding-window layers, YaRN, biased experts with a clamped SwiGLU).
 HF <-> Megatron conversion is bit-exact at TP 1/2 x EP 1/2; log-probs equal transformers' in fp32
-on one rank and on two gloo ranks (TP=2, EP=2 x DP=2); at EP=2 a step also matches one rank's."""
+on one rank and on two gloo ranks (TP=2, EP=2 x DP=2; gpt-oss: EP=2); at EP=2 a step also matches
+one rank's."""
 import os
 import subprocess
 import sys
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from frontier import Spec, architecture, hf_model
+from frontier import CONFIGS, Spec, architecture, hf_model
+from frontier_worker import CASES
 from helpers import batch, hf_logprobs
 from miles import MilesError
 from miles_plugin_megatron import arch as A
@@ -19,18 +22,24 @@ from miles_plugin_megatron.config import MegatronConfig
 
 HERE = Path(__file__).parent
 FAMILIES = ("deepseek_v3", "glm4_moe")
+# Megatron weights each family's conversion must produce
+SHOWN = {family: ("decoder.layers.0.mlp.linear_fc1.weight",  # the dense first layer
+                  "decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight")
+         for family in FAMILIES}
+SHOWN["gpt_oss"] = ("decoder.layers.0.self_attention.core_attention.softmax_offset",
+                    "decoder.layers.0.self_attention.linear_proj.bias", "decoder.layers.1.mlp.router.bias",
+                    "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.bias",
+                    "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.bias")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss"])
 @pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_round_trip_bit_exact(family, tp, ep):
     m = hf_model(family)
     hf = {k: v for k, v in m.state_dict().items() if not k.startswith("model.layers.3.")}  # MTP: carried apart
     arch = A.arch_of(m.config, architecture(family))
     full = C.hf_to_full(hf, arch, tp)
-    assert "decoder.layers.0.mlp.linear_fc1.weight" in full  # the dense first layer
-    assert "decoder.layers.1.mlp.router.expert_bias" in full
-    assert "decoder.layers.1.mlp.shared_experts.linear_fc1.weight" in full
+    assert all(name in full for name in SHOWN[family])
     shards = {(t, e): C.shard(full, arch, tp=tp, tp_rank=t, ep=ep, ep_rank=e) for t in range(tp) for e in range(ep)}
     back = C.full_to_hf(C.unshard(shards, arch, tp, ep), arch)
     assert set(back) == set(hf)
@@ -80,8 +89,7 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("family,tp,ep", CASES)
 def test_two_ranks_match_transformers_and_one_rank(two_ranks, megatron_cpu, family, tp, ep):
     from frontier_worker import step
     from miles_plugin_megatron.trainer import MegatronTrainer
@@ -96,3 +104,79 @@ def test_two_ranks_match_transformers_and_one_rank(two_ranks, megatron_cpu, fami
     b = batch(rows=5)
     assert abs(step(one, b)["loss"] - ranks[0]["loss"]) < 1e-6
     assert (one.logprobs(b) - ranks[0]["after"]).abs().max() < 1e-5
+
+
+def test_gpt_oss_logprobs_equal_transformers_and_steps_lower_the_loss(megatron_cpu):
+    """gpt-oss on one rank: megatron-core's forward equals transformers' with the sinks, the window,
+    the clamped SwiGLU and YaRN, each of which changes the log-probs (transformers without it
+    differs); the export is exact, and optimizer steps lower the loss."""
+    from frontier_worker import step
+    from miles_plugin_megatron.trainer import MegatronTrainer
+
+    tr = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32", lr=1e-2, grad_clip=None),
+                         spec=Spec("gpt_oss"), tokenizer=None, seed=0, total_steps=10)
+    assert tr.arch.sinks and tr.arch.window_layers == (0,) and tr.arch.yarn_factor == 4.0
+    b = batch(rows=5)
+    mask = b.loss_mask.bool()
+    lp = tr.logprobs(b)
+    hf = hf_model("gpt_oss")
+    assert (lp - hf_logprobs(hf, b))[mask].abs().max() < 1e-5
+    exported, hs = dict(tr.named_weights()), hf.state_dict()
+    assert set(exported) == set(hs) and all(torch.equal(exported[k], v) for k, v in hs.items())
+    plain_rope = {"rope_type": "default", "rope_theta": 10000.0}
+    for over in ({"sliding_window": 64}, {"swiglu_limit": 7.0}, {"rope_parameters": plain_rope}):
+        assert (lp - hf_logprobs(hf_model("gpt_oss", **over), b))[mask].abs().max() > 1e-4, over
+    hf.load_state_dict({k: (torch.zeros_like(v) if k.endswith("sinks") else v) for k, v in hs.items()})
+    assert (lp - hf_logprobs(hf, b))[mask].abs().max() > 1e-4
+    losses = [step(tr, b)["loss"] for _ in range(4)]
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+
+
+def test_gpt_oss_what_megatron_core_cannot_build_is_refused():
+    from miles_plugin_megatron import parallel
+    from transformers import AutoConfig
+
+    def config(**over):
+        return AutoConfig.for_model("gpt_oss", **{**CONFIGS["gpt_oss"], **over})
+
+    arch = A.arch_of(config(), architecture("gpt_oss"))
+    with pytest.raises(MilesError, match="trainer.tensor_parallel=2: this model's experts and router have biases"):
+        parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), arch, 2)
+    yarn = {**CONFIGS["gpt_oss"]["rope_parameters"], "attention_factor": 2.0}
+    with pytest.raises(MilesError, match="rope_parameters.attention_factor=2.0"):
+        A.arch_of(config(rope_parameters=yarn), architecture("gpt_oss"))
+    with pytest.raises(MilesError, match="attention_bias: false"):
+        A.arch_of(config(attention_bias=False), architecture("gpt_oss"))
+
+
+def test_gpt_oss_routing_replay(megatron_cpu):
+    """R3 with gpt-oss (the ``moe`` spec over it): megatron-core's routers take the recorded experts,
+    and the log-probs equal the spec's replaying transformers forward."""
+    from miles import make_plugin_manager
+    from miles_plugin_megatron.trainer import MegatronTrainer
+    from replay_helpers import MegatronRouting, Tok, as_sets
+
+    pm = make_plugin_manager()
+    settings = pm.registry("model_specs")["moe"].config.model_validate(
+        {"base": {"name": "hf", "config": {"model_type": "gpt_oss", **CONFIGS["gpt_oss"]}}, "routing_replay": True})
+    spec = pm.create("model_specs", "moe", settings, pm=pm)
+    tr = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32"), spec=spec, tokenizer=Tok(), seed=0)
+    assert tr.replay is not None
+    b = batch(rows=4)
+    plain = tr.logprobs(b)
+    g = torch.Generator().manual_seed(7)
+    for s in b.samples:  # distinct random experts for every token but the last
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        s.extensions["moe"] = {"routed_experts": torch.rand(n, 2, 8, generator=g).argsort(-1)[..., :2].int()}
+    hooks = MegatronRouting(tr.model, len(b))
+    replayed = tr.logprobs(b)
+    hooks.close()
+    for row, s in enumerate(b.samples):
+        rec = s.extensions["moe"]["routed_experts"]
+        for layer in range(2):
+            assert torch.equal(hooks.maps[layer][row, :len(rec)], as_sets(rec[:, layer], 8))
+    hf = spec.build_model(Tok())
+    hf.load_state_dict(dict(tr.named_weights()))
+    mask = b.loss_mask.bool()
+    assert (replayed - spec.action_logprobs(hf, b).detach())[mask].abs().max() < 1e-5
+    assert (replayed - plain)[mask].abs().max() > 1e-3
