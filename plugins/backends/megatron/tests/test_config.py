@@ -60,7 +60,7 @@ def test_unsupported_architecture_and_rope_scaling():
     with pytest.raises(MilesError, match="model_type 'gpt2' is not supported"):
         arch_of(AutoConfig.for_model("gpt2"))
     scaled = hf_config("llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
-    with pytest.raises(MilesError, match="rope scaling 'linear'"):
+    with pytest.raises(MilesError, match="rope_parameters.rope_type 'linear' is not supported"):
         arch_of(scaled)
 
 
