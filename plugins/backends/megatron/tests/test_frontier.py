@@ -14,6 +14,7 @@ import pytest
 import torch
 from frontier import CONFIGS, Spec, architecture, hf_model
 from frontier_worker import CASES
+from frontier import GATED
 from helpers import batch, hf_logprobs
 from miles import MilesError
 from miles_plugin_megatron import arch as A
@@ -175,6 +176,114 @@ def test_gpt_oss_routing_replay(megatron_cpu):
         rec = s.extensions["moe"]["routed_experts"]
         for layer in range(2):
             assert torch.equal(hooks.maps[layer][row, :len(rec)], as_sets(rec[:, layer], 8))
+    hf = spec.build_model(Tok())
+    hf.load_state_dict(dict(tr.named_weights()))
+    mask = b.loss_mask.bool()
+    assert (replayed - spec.action_logprobs(hf, b).detach())[mask].abs().max() < 1e-5
+    assert (replayed - plain)[mask].abs().max() > 1e-3
+
+
+# -- Qwen3-Next and Qwen3.5 MoE: gated DeltaNet, gated attention, zero-centred norms ------------------
+@pytest.mark.parametrize("family", GATED)
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_gated_round_trip_bit_exact(family, tp, ep):
+    """Qwen3-Next's per-key-head packed DeltaNet projections and Qwen3.5's split ones both become
+    megatron-core's ``in_proj`` ``[q; k; v; z; b; a]``; q_proj's per-head query/gate rows become
+    gated ``linear_qkv`` groups; a TP rank holds its heads' slice of each DeltaNet part."""
+    m = hf_model(family)
+    hf = m.state_dict()
+    arch = A.arch_of(m.config, architecture(family))
+    assert arch.linear_layers == (0, 2) and arch.attention_gate and arch.zero_centered_norms and arch.shared_gate
+    full = C.hf_to_full(hf, arch, tp)
+    in_proj = full["decoder.layers.0.self_attention.in_proj.weight"]
+    assert in_proj.shape == (2 * 16 + 2 * 32 + 2 * 4, 64)  # q, k: 2 heads x 8; v, z: 4 x 8; b, a: 4
+    assert full["decoder.layers.1.self_attention.linear_qkv.weight"].shape == ((2 * 4 + 2 * 2) * 16, 64)
+    assert "decoder.layers.2.mlp.shared_experts.gate_weight" in full
+    shards = {(t, e): C.shard(full, arch, tp=tp, tp_rank=t, ep=ep, ep_rank=e) for t in range(tp) for e in range(ep)}
+    if tp == 2:  # rank 1: key head 1's q and k rows, value heads 2-3 (v, z, b, a)
+        mine = shards[(1, 0)]["decoder.layers.0.self_attention.in_proj.weight"]
+        cut = [in_proj[8:16], in_proj[24:32], in_proj[48:64], in_proj[80:96], in_proj[98:100], in_proj[102:104]]
+        assert torch.equal(mine, torch.cat(cut))
+    back = C.full_to_hf(C.unshard(shards, arch, tp, ep), arch)
+    assert set(back) == set(hf)
+    for k, v in hf.items():
+        assert torch.equal(back[k], v), k
+
+
+@pytest.mark.parametrize("family", GATED)
+def test_gated_logprobs_equal_transformers_and_steps_lower_the_loss(megatron_cpu, family):
+    """One rank in fp32: the DeltaNet module (transformers' chunked delta rule, causal conv, gated
+    norm), megatron-core's gated attention and gated shared expert and the zero-centred norms give
+    transformers' log-probs, each part live (transformers with it changed differs); the export is
+    exact and optimizer steps lower the loss."""
+    from frontier_worker import step
+    from miles_plugin_megatron.trainer import MegatronTrainer
+
+    tr = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32", lr=1e-3, grad_clip=None),
+                         spec=Spec(family), tokenizer=None, seed=0, total_steps=10)
+    assert tr.arch.dense_layers == ((0,) if family == "qwen3_next" else ())
+    b = batch(rows=5)
+    mask = b.loss_mask.bool()
+    lp = tr.logprobs(b)
+    hf = hf_model(family)
+    assert (lp - hf_logprobs(hf, b))[mask].abs().max() < 1e-5
+    exported, hs = dict(tr.named_weights()), hf.state_dict()
+    assert set(exported) == set(hs) and all(torch.equal(exported[k], v) for k, v in hs.items())
+    for part in ("linear_attn.A_log", "linear_attn.norm.weight", "shared_expert_gate.weight",
+                 "self_attn.q_norm.weight"):
+        hf.load_state_dict({k: (v + 0.5 if k.endswith(part) else v) for k, v in hs.items()})
+        assert (lp - hf_logprobs(hf, b))[mask].abs().max() > 1e-4, part
+    losses = [step(tr, b)["loss"] for _ in range(4)]
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+
+
+def test_gated_what_megatron_cannot_build_is_refused():
+    from frontier import CONFIGS
+    from miles_plugin_megatron import parallel
+    from transformers import AutoConfig
+
+    def arch(**over):
+        config = AutoConfig.for_model("qwen3_next", **{**CONFIGS["qwen3_next"], **over})
+        return A.arch_of(config, architecture("qwen3_next"))
+
+    with pytest.raises(MilesError, match="tensor_parallel=2 does not divide the model's 3 linear_num_key_heads"):
+        parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), arch(linear_num_key_heads=3,
+                                                                                  linear_num_value_heads=6), 2)
+    parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), arch(), 2)  # 2 and 4 heads split
+    with pytest.raises(MilesError, match="attention_bias: true"):
+        arch(attention_bias=True)
+
+
+def test_gated_routing_replay(megatron_cpu):
+    """R3 with Qwen3-Next (the ``moe`` spec over it, a dense first layer): megatron-core's routers of
+    the MoE layers take the recorded experts, and the log-probs equal the spec's replaying
+    transformers forward."""
+    from frontier import CONFIGS
+    from miles import make_plugin_manager
+    from miles_plugin_megatron.trainer import MegatronTrainer
+    from replay_helpers import MegatronRouting, Tok, as_sets
+
+    pm = make_plugin_manager()
+    settings = pm.registry("model_specs")["moe"].config.model_validate(
+        {"base": {"name": "hf", "config": {"model_type": "qwen3_next", **CONFIGS["qwen3_next"]}},
+         "routing_replay": True})
+    spec = pm.create("model_specs", "moe", settings, pm=pm)
+    tr = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32"), spec=spec, tokenizer=Tok(), seed=0)
+    assert tr.replay is not None
+    b = batch(rows=4)
+    plain = tr.logprobs(b)
+    g = torch.Generator().manual_seed(7)
+    for s in b.samples:  # distinct random experts of the two MoE layers for every token but the last
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        s.extensions["moe"] = {"routed_experts": torch.rand(n, 2, 8, generator=g).argsort(-1)[..., :2].int()}
+    hooks = MegatronRouting(tr.model, len(b))
+    replayed = tr.logprobs(b)
+    hooks.close()
+    assert sorted(hooks.maps) == [1, 2]
+    for row, s in enumerate(b.samples):
+        rec = s.extensions["moe"]["routed_experts"]
+        for column, layer in enumerate((1, 2)):
+            assert torch.equal(hooks.maps[layer][row, :len(rec)], as_sets(rec[:, column], 8))
     hf = spec.build_model(Tok())
     hf.load_state_dict(dict(tr.named_weights()))
     mask = b.loss_mask.bool()
