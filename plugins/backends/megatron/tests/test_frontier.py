@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from frontier import CONFIGS, Spec, architecture, hf_model
+from frontier import CONFIGS, GATED, Spec, architecture, hf_model
 from frontier_worker import CASES
-from frontier import GATED
 from helpers import batch, hf_logprobs
 from miles import MilesError
 from miles_plugin_megatron import arch as A
@@ -238,7 +237,6 @@ def test_gated_logprobs_equal_transformers_and_steps_lower_the_loss(megatron_cpu
 
 
 def test_gated_what_megatron_cannot_build_is_refused():
-    from frontier import CONFIGS
     from miles_plugin_megatron import parallel
     from transformers import AutoConfig
 
@@ -258,7 +256,6 @@ def test_gated_routing_replay(megatron_cpu):
     """R3 with Qwen3-Next (the ``moe`` spec over it, a dense first layer): megatron-core's routers of
     the MoE layers take the recorded experts, and the log-probs equal the spec's replaying
     transformers forward."""
-    from frontier import CONFIGS
     from miles import make_plugin_manager
     from miles_plugin_megatron.trainer import MegatronTrainer
     from replay_helpers import MegatronRouting, Tok, as_sets
