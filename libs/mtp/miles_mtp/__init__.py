@@ -8,13 +8,16 @@ transformers ignores those names when loading (its decoder runs ``layers[:num_hi
 
 ``attach_nextn`` appends them to the model's layer list, so their parameters carry the
 checkpoint's own names through every ``state_dict``: trainer checkpoints, weight sync to engines
-and export keep them (nothing trains them yet: no forward of the model reaches them).
+and export keep them (no forward of the model reaches them: ``mtp_loss`` trains them, in the
+fsdp2 trainer with a top-level ``draft: {train: true}`` section).
 ``load_missing`` reads them from the checkpoint folder's safetensors. A layer's ``predict`` is the
 draft step speculative decoding builds on: from the main model's last hidden states ``h_i`` and
-the tokens ``t_{i+1}`` it returns the next hidden states and the logits of tokens ``t_{i+2}``.
+the tokens ``t_{i+1}`` it returns the next hidden states and the logits of tokens ``t_{i+2}``;
+``step`` does the same over a KV cache of the entries before (the torch engine's ``mtp`` draft).
 """
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,9 @@ import torch
 def nextn_layer(decoder_cls: type, norm_cls: type) -> type:
     """The MTP layer class of a family: its ``decoder_cls(config, layer_idx)`` with the nextn
     modules added (``norm_cls(size, eps=)`` their RMSNorm)."""
+
+    # transformers 5.24 renamed the layers' past_key_values argument to cache
+    cache_kw = "cache" if "cache" in inspect.signature(decoder_cls.forward).parameters else "past_key_values"
 
     class NextNLayer(decoder_cls):
         def __init__(self, config: Any, layer_idx: int):
@@ -44,16 +50,59 @@ def nextn_layer(decoder_cls: type, norm_cls: type) -> type:
             ``next_ids`` ``[B, S]`` (token ``i + 1`` at position ``i``) -> this layer's hidden
             states and the logits ``[B, S, V]`` of token ``i + 2``; causal over positions 0..S-1
             (``rotary``: the model's rotary embedding)."""
+            b, s = next_ids.shape
+            positions = torch.arange(s, device=hidden.device)[None].expand(b, -1)
+            return self(hidden, next_ids, rotary, positions, attention_mask(hidden.new_ones((1, s)), s, hidden.dtype))
+
+        def step(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
+                 positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            """``predict`` over a transformers KV ``cache`` of earlier entries (None: none), so a
+            draft chains one entry at a time: ``positions`` ``[B, S]`` of the entries, ``mask`` the
+            additive attention mask ``[B or 1, 1, S, cached + S]`` over the cache's slots and theirs
+            (``attention_mask``)."""
+            return self(hidden, next_ids, rotary, positions, mask, cache)
+
+        def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
+                    positions: torch.Tensor, mask: torch.Tensor, cache: Any = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            # the whole step in forward: a sharded trainer's hooks gather all of the layer's weights
+            # (the model's own forward never calls its MTP layers)
             x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], -1))
-            s = x.shape[1]
-            positions = torch.arange(s, device=x.device)[None].expand(x.shape[0], -1)
-            mask = torch.full((s, s), float("-inf"), device=x.device, dtype=x.dtype).triu(1)[None, None]
-            out = super().forward(x, attention_mask=mask, position_ids=positions,
-                                  position_embeddings=rotary(x, positions))
+            out = super().forward(x, attention_mask=mask.to(x.dtype), position_ids=positions,
+                                  position_embeddings=rotary(x, positions), use_cache=cache is not None,
+                                  **{cache_kw: cache})
             out = out[0] if isinstance(out, tuple) else out
             return out, self.shared_head.head(self.shared_head.norm(out))
 
     return NextNLayer
+
+
+def attention_mask(valid: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask ``[B, 1, new, slots]`` of the last ``new`` of ``valid [B, slots]``
+    key slots as queries: a query sees the valid slots up to its own (a query with none sees all
+    equally, finite: padding)."""
+    slots = valid.shape[1]
+    at = torch.arange(slots, device=valid.device)
+    allowed = valid.bool()[:, None, :] & (at[None, :] <= at[slots - new:, None])[None]
+    zero = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+    return zero.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def mtp_loss(layer: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+             positions: torch.Tensor, rotary: torch.nn.Module, weights: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of ``layer``'s logits for token ``i + 2`` from the main model's final hidden
+    state ``i`` and token ``i + 1`` over sequences ``ids [B, L]`` (``valid``: their attention mask,
+    ``positions``: their position ids), weighted by ``weights [B, L - 2]`` per predicted token
+    ``2 .. L - 1`` (e.g. response tokens only); and the weighted share of those whose argmax is right."""
+    mask = attention_mask(valid[:, :-1], valid.shape[1] - 1, hidden.dtype)
+    _, logits = layer(hidden[:, :-1], ids[:, 1:], rotary, positions[:, :-1], mask)
+    logits, labels = logits[:, :-1].float(), ids[:, 2:]
+    w = weights.to(logits.dtype)
+    denom = w.sum().clamp(min=1)
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    top1 = ((logits.argmax(-1) == labels).to(w.dtype) * w).sum() / denom
+    return (ce * w).sum() / denom, top1.detach()
 
 
 def attach_nextn(model: torch.nn.Module, layer_cls: type, folder: str | None = None) -> list[torch.nn.Module]:

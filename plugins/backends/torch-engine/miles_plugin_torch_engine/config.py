@@ -12,7 +12,8 @@ class SpeculativeConfig(pydantic.BaseModel, extra="forbid"):
     draft: Literal["head", "model", "mtp"] = Field(
         description='"head": an EAGLE-style one-layer head on the target\'s hidden states (trained by the '
         'trainer with a top-level draft: section, or read from path); "model": a small model folder with the '
-        'same tokenizer (model_path); "mtp": the model\'s own multi-token-prediction layers')
+        'same tokenizer (model_path); "mtp": the model\'s own multi-token-prediction layers (DeepSeek-V3, GLM-4.5; '
+        'on the model\'s own forward, engine.impl hf)')
     tokens: int = Field(3, ge=1, le=16, description="draft tokens proposed per step (k)")
     path: Optional[str] = Field(None, description="draft head: a draft_head.safetensors (or the folder "
                                 "holding one, e.g. an exported model) to start from")
@@ -27,9 +28,9 @@ class SpeculativeConfig(pydantic.BaseModel, extra="forbid"):
         if self.draft == "model" and not self.model_path:
             raise ValueError("draft model needs engine.speculative.model_path (a model folder with the same "
                              "tokenizer)")
-        if self.draft == "mtp":
-            raise ValueError("draft mtp: the built-in engine runs models through transformers, whose DeepSeek-V3, "
-                             "GLM-4.5 and Qwen3-Next classes drop the MTP layers; use draft: head")
+        if self.draft == "mtp" and (self.path or self.model_path):
+            raise ValueError("draft mtp drafts with the model's own MTP layers; remove engine.speculative.path and "
+                             "model_path")
         if isinstance(self.max_batch, int) and self.max_batch < 1:
             raise ValueError("max_batch must be >= 1 or auto")
         return self
@@ -79,8 +80,8 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
     prefill_tokens: int = Field(
         16384, ge=1, description="fast path: max (padded) prompt tokens prefilled in one forward")
     speculative: Optional[SpeculativeConfig] = Field(
-        None, description="speculative decoding (fast path): {draft: head | model | mtp, tokens: k, path, "
-        "model_path, max_batch}")
+        None, description="speculative decoding: {draft: head | model | mtp, tokens: k, path, model_path, "
+        "max_batch}; head and model on the fast path, mtp on the model's own forward")
 
     @field_validator("device")
     @classmethod

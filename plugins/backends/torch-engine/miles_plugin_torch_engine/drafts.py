@@ -20,7 +20,8 @@ from miles import ConfigError
 from miles_draft.head import attach, embed, head_logits
 
 from .fast import LlamaFamilyForward, unsupported_reason
-from .speculative import forward_block, lm_logits, propose_token
+from .rejection import propose_token
+from .speculative import forward_block, lm_logits
 
 
 class HeadDrafter:

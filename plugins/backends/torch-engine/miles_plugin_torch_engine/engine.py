@@ -120,7 +120,12 @@ class TorchEngine(WeightReceiver):
 
         self._fast = select_fast_path(cfg, self.model, self.device) if self._fp8 is None else None
         self._spec = None  # engine.speculative: drafted steps the model verifies (speculative.py)
-        if cfg.speculative is not None:
+        self._mtp = None  # draft mtp: on the model's own forward, its MTP layer drafting (hf_speculative.py)
+        if cfg.speculative is not None and cfg.speculative.draft == "mtp":
+            from .hf_speculative import setup_mtp
+
+            self._mtp = setup_mtp(cfg, self.model, spec, self._cache_kw)
+        elif cfg.speculative is not None:
             from .speculative import setup
 
             self._spec = setup(cfg, self.model, self._fast)
@@ -131,6 +136,8 @@ class TorchEngine(WeightReceiver):
         self._routing = RoutingLog.for_spec(spec, self.model)
         if self._routing is not None and self._fast is not None:
             raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
+        if self._routing is not None and self._mtp is not None:  # it would record the rejected drafts' routes
+            raise MilesError("engine.speculative.draft: mtp cannot run with routing replay; remove engine.speculative")
         # an architecture whose layers do not mask left padding (e.g. token compression by absolute
         # position) generates each prompt's samples on their own: one prompt per forward
         from miles.protocols import KnowsArchitecture, OffersEngineAttention
@@ -170,13 +177,15 @@ class TorchEngine(WeightReceiver):
                                "generated_tokens": tokens}
         if cap:
             out["kv_cache_usage"] = min(used / cap, 1.0)
-        if self._spec is not None and self._spec.accept_rate is not None:
-            out["spec_accept_rate"] = self._spec.accept_rate
+        for g in (self._spec, self._mtp):
+            if g is not None and g.accept_rate is not None:
+                out["spec_accept_rate"] = g.accept_rate
         return [out]
 
     def step_metrics(self) -> dict[str, float]:
         """Speculative decoding's acceptance since the last call (``miles.protocols.EngineStepMetrics``)."""
-        return self._spec.drain() if self._spec is not None else {}
+        g = self._spec if self._spec is not None else self._mtp
+        return g.drain() if g is not None else {}
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -209,6 +218,7 @@ class TorchEngine(WeightReceiver):
                                  self.interrupt, self.dropped)
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         out: list[list[Completion]] = [[] for _ in prompts]
+        mtp = self._mtp is not None and len(prompts) * n <= self._mtp.max_batch
         self._hf_queued = len(prompts) * n
         try:
             for idx, reps in self._chunks(len(prompts), n):
@@ -216,7 +226,7 @@ class TorchEngine(WeightReceiver):
                 self._hf_running = len(chunk) * reps
                 self._hf_queued -= self._hf_running
                 if self._routing is None:
-                    comps = self._generate_chunk(chunk, reps, params, gen, stop_t)
+                    comps = (self._generate_mtp if mtp else self._generate_chunk)(chunk, reps, params, gen, stop_t)
                 else:
                     comps = self._routing.run(self._generate_chunk, chunk, reps, params, gen, stop_t)
                 self._hf_tokens += sum(len(c.token_ids) for c in comps)
@@ -278,6 +288,13 @@ class TorchEngine(WeightReceiver):
             out = self._forward(tok[:, None], full_mask[:, :width + t + 1], pos, cache)
             logits = out.logits[:, -1]
         return self._completions(tokens[:, :t + 1], logps[:, :t + 1], lengths, done, aborted)
+
+    def _generate_mtp(self, prompts, n: int, params: SamplingParams, gen: torch.Generator,
+                      stop: torch.Tensor) -> list[Completion]:
+        """``_generate_chunk`` with the MTP layer's drafts verified by the model (hf_speculative.py)."""
+        if params.max_new_tokens <= 0 or self.interrupt.is_set():
+            return self._generate_chunk(prompts, n, params, gen, stop)
+        return self._completions(*self._mtp.generate(prompts, n, params, gen, stop, self.pad_id, self.interrupt))
 
     def _completions(self, tokens, logps, lengths, done, aborted: bool) -> list[Completion]:
         tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()

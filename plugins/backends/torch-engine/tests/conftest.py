@@ -1,10 +1,15 @@
 """Fixtures of the engine tests (a module that defines its own ``engine`` keeps it)."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from miles.testing import TinySpec, char_tokenizer
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine
+
+sys.path.insert(0, str(Path(__file__).parent))  # spec_checks
 
 
 @pytest.fixture(scope="module")

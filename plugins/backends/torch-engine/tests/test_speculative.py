@@ -12,7 +12,8 @@ from miles import ConfigError, SamplingParams
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
-from miles_plugin_torch_engine.engine import TorchEngine, _filter
+from miles_plugin_torch_engine.engine import TorchEngine
+from spec_checks import empirical, exact, tv, tv_bound
 
 VOCAB, STEPS, PROMPT = 6, 3, [1, 2, 3]
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -81,23 +82,7 @@ def test_greedy_tokens_are_the_targets_and_logprobs_too(target, draft_dir, draft
 
 
 def _exact(model, params: SamplingParams) -> dict[tuple, float]:
-    """Probability of every STEPS-token continuation of PROMPT under plain sampling's distribution."""
-    seqs = list(itertools.product(range(VOCAB), repeat=STEPS))
-    ids = torch.tensor([PROMPT + list(s) for s in seqs])
-    with torch.no_grad():
-        logits = model(ids).logits[:, len(PROMPT) - 1:-1].float()
-    logp = torch.log_softmax(logits / params.temperature, -1)
-    logp = torch.log_softmax(_filter(logp.reshape(-1, VOCAB), params.top_k, params.top_p), -1).view_as(logp)
-    tok = ids[:, len(PROMPT):]
-    p = logp.gather(-1, tok[..., None]).squeeze(-1).sum(-1).exp()
-    return dict(zip(seqs, p.tolist()))
-
-
-def _empirical(comps, keys) -> np.ndarray:
-    counts = dict.fromkeys(keys, 0)
-    for c in comps:
-        counts[tuple(c.token_ids)] += 1
-    return np.array([counts[k] for k in keys], dtype=float) / len(comps)
+    return exact(model, PROMPT, STEPS, VOCAB, params)
 
 
 @pytest.mark.parametrize("draft", sorted(DRAFTS))
@@ -111,14 +96,11 @@ def test_samples_have_exactly_the_targets_distribution(target, draft_dir, draft,
     exact = _exact(target, params)
     keys, p = list(exact), np.array(list(exact.values()))
     spec_engine = _engine(target, DRAFTS[draft](draft_dir))
-    spec = _empirical(spec_engine.generate([PROMPT], params, n=N)[0], keys)
-    plain = _empirical(_engine(target).generate([PROMPT], params, n=N)[0], keys)
-    rng = np.random.default_rng(0)
-    noise = [0.5 * np.abs(rng.multinomial(N, p / p.sum()) - rng.multinomial(N, p / p.sum())).sum() / N
-             for _ in range(300)]
-    bound = float(np.quantile(noise, 0.999))
-    assert 0.5 * np.abs(spec - plain).sum() < bound
-    assert 0.5 * np.abs(spec - p).sum() < bound
+    spec = empirical(spec_engine.generate([PROMPT], params, n=N)[0], keys)
+    plain = empirical(_engine(target).generate([PROMPT], params, n=N)[0], keys)
+    bound = tv_bound(p, N)
+    assert tv(spec, plain) < bound
+    assert tv(spec, p) < bound
     m = spec_engine.step_metrics()
     assert 0.0 < m["spec_accept_rate"] < 1.0  # drafts were both accepted and rejected
 
@@ -139,12 +121,12 @@ def test_a_biased_verifier_fails_the_same_check(target, monkeypatch):
     exact = _exact(target, params)
     keys, p = list(exact), np.array(list(exact.values()))
     monkeypatch.setattr(speculative, "verify", accept_all)
-    biased = _empirical(_engine(target, DRAFTS["head"](None)).generate([PROMPT], params, n=N)[0], keys)
-    assert 0.5 * np.abs(biased - p).sum() > 0.2
+    biased = empirical(_engine(target, DRAFTS["head"](None)).generate([PROMPT], params, n=N)[0], keys)
+    assert tv(biased, p) > 0.2
 
 
 @pytest.mark.parametrize("speculative,match", [
-    ({"draft": "mtp"}, "MTP layers"),
+    ({"draft": "mtp", "path": "x"}, "MTP layers"),
     ({"draft": "model"}, "model_path"),
     ({"draft": "head", "tokens": 0}, "tokens"),
     ({"draft": "head", "max_batch": 0}, "max_batch"),
