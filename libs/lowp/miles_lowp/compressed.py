@@ -1,6 +1,6 @@
 """INT4 weights of a Hugging Face folder in the compressed-tensors format (``pack-quantized``,
 the W4A16 preset: symmetric INT4, one scale per 128 weights of a row), which transformers loads
-when the ``compressed-tensors`` package is installed, and vLLM and SGLang serve.
+when the ``compressed-tensors`` package is installed (vLLM and SGLang read INT4 checkpoints in it).
 
 :func:`compress_folder` rewrites the linear weights a folder holds dense: each named one becomes
 ``<module>.weight_packed`` (int32, eight values a word), ``<module>.weight_scale`` (float32) and
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +26,8 @@ class CompressedExportError(ValueError):
     """A weight this format cannot hold (the message says which and why)."""
 
 
-def _scheme() -> tuple:
+def _scheme() -> Any:
+    """compressed-tensors' W4A16 scheme, checked to be miles' INT4 (a future preset could differ)."""
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import preset_name_to_scheme
 
@@ -38,7 +40,7 @@ def _scheme() -> tuple:
     return scheme
 
 
-def compress_weight(w: torch.Tensor, scheme=None) -> dict[str, torch.Tensor]:
+def compress_weight(w: torch.Tensor, scheme: Any = None) -> dict[str, torch.Tensor]:
     """``{weight_packed, weight_scale, weight_shape}`` of a 2-D linear weight, rounded as
     :func:`miles_lowp.int4.quantize_int4` rounds it (the scales are this library's)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
@@ -47,7 +49,7 @@ def compress_weight(w: torch.Tensor, scheme=None) -> dict[str, torch.Tensor]:
     if w.dim() != 2 or w.shape[-1] % i4.INT4_GROUP:
         raise CompressedExportError(f"compressed-tensors packs 2-D weights whose rows are a multiple of "
                                     f"{i4.INT4_GROUP} long, got shape {tuple(w.shape)}")
-    w = w.detach().float()
+    w = w.detach().float().cpu()  # on CUDA the package quantizes with its own Triton kernel
     _, scale = i4.quantize_int4(w)
     out = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
     return {k: v.contiguous() for k, v in out.items()}
