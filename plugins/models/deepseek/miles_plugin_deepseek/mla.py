@@ -67,12 +67,16 @@ def _forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch
 
     w = _kv_b_weight(self.kv_b_proj, rank, latent.dtype).view(heads, nope + self.v_head_dim, rank)
     w_k, w_v = w[:, :nope], w[:, nope:]  # [H, nope, rank], [H, v, rank]
-    query = torch.cat([torch.matmul(q_nope, w_k), q_rot], dim=-1)  # [B, H, L, rank + rope]
-    key = torch.cat([latent, k_rot], dim=-1)  # [B, 1, T, rank + rope]: one key head shared by all
-    total = key.shape[2]
-    # heads x query positions as the rows of one matmul against the shared key head (no expand)
-    scores = torch.matmul(query.reshape(batch, 1, heads * length, -1), key.transpose(2, 3))
-    scores = scores.view(batch, heads, length, total) * self.scaling
+    # per-head products batched over heads, so the weights are read in place (a [B, H, ...] @ [H, ...]
+    # matmul would broadcast them into a copy per row)
+    q_lat = torch.bmm(q_nope.transpose(0, 1).reshape(heads, batch * length, nope), w_k)
+    q_lat = q_lat.view(heads, batch, length, rank).transpose(0, 1).reshape(batch, heads * length, rank)
+    q_rot = q_rot.reshape(batch, heads * length, rope)
+    latent, k_rot = latent.squeeze(1), k_rot.squeeze(1)  # [B, T, rank], [B, T, rope]: one shared key head
+    total = latent.shape[1]
+    # heads x query positions are the rows of one product with the shared key: no per-head expansion
+    scores = torch.bmm(q_lat, latent.transpose(1, 2)).baddbmm_(q_rot, k_rot.transpose(1, 2))
+    scores = scores.view(batch, heads, length, total).mul_(self.scaling)
     if attention_mask is None and length > 1:  # causal over the new tokens, all cached ones visible
         attention_mask = torch.ones(length, total, dtype=torch.bool, device=scores.device).tril(total - length)
     if attention_mask is not None:
@@ -80,10 +84,12 @@ def _forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:  # eager's: added to the scores
             scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs.view(batch, 1, heads * length, total), latent).view(batch, heads, length, rank)
-    out = torch.matmul(out, w_v.transpose(1, 2))  # [B, H, L, v]
-    out = out.transpose(1, 2).reshape(batch, length, heads * self.v_head_dim)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
+    out = torch.bmm(probs.view(batch, heads * length, total), latent)  # [B, H * L, rank]
+    out = out.view(batch, heads, length, rank).transpose(0, 1).reshape(heads, batch * length, rank)
+    out = torch.bmm(out, w_v.transpose(1, 2))  # [H, B * L, v]
+    out = out.view(heads, batch, length, self.v_head_dim).permute(1, 2, 0, 3)
+    out = out.reshape(batch, length, heads * self.v_head_dim)
     return self.o_proj(out), None
 
 
