@@ -45,15 +45,16 @@ class Spec:
         return AutoModelForCausalLM.from_config(hf_config(self.family, **self.over))
 
 
-def batch(seed: int = 1, rows: int = 4, vocab: int = 101) -> Any:
-    """Left-padded prompts and right-padded responses of different lengths."""
+def batch(seed: int = 1, rows: int = 4, vocab: int = 101, prompt: int = 3, response: int = 5) -> Any:
+    """Left-padded prompts (``prompt`` to ``prompt + 2`` tokens) and right-padded responses
+    (``response - 3`` to ``response``) of different lengths."""
     from miles import Batch, Sample, Task
 
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(rows):
-        p = torch.randint(1, vocab, (3 + i % 3,), generator=g).tolist()
-        r = torch.randint(1, vocab, (5 - i % 4,), generator=g).tolist()
+        p = torch.randint(1, vocab, (prompt + i % 3,), generator=g).tolist()
+        r = torch.randint(1, vocab, (response - i % 4,), generator=g).tolist()
         samples.append(Sample(task=Task(prompt="x"), prompt_ids=p, response_ids=r, loss_mask=[1] * len(r),
                               logprobs=[0.0] * len(r), reward=float(i % 2)))
     return Batch.from_samples(samples, pad_id=0, advantages=[1.0 if i % 2 else -1.0 for i in range(rows)])
