@@ -1,4 +1,4 @@
-"""One rank of a 2-rank CPU run (gloo) of the megatron trainer on DeepSeek-V3, GLM-4.5 and gpt-oss
+"""One rank of a 2-rank CPU run (gloo) of the megatron trainer on DeepSeek-V3, GLM-4.5, gpt-oss and Qwen3-Next
 (``frontier.py``), started by test_frontier.py through torch.distributed.run with the TEST-ONLY
 CPU shim: each family at tensor_parallel=2 and at expert_parallel=2 (so data-parallel 2). Writes
 the log-probs' distance from transformers, whether the export is bit-exact and, at EP=2, one
@@ -17,6 +17,8 @@ from helpers import batch, hf_logprobs  # noqa: E402
 # gpt-oss at EP=2 only: its expert biases keep megatron-core's experts unsplit (no TP)
 CASES = [(family, tp, ep) for family in ("deepseek_v3", "glm4_moe") for tp, ep in ((2, 1), (1, 2))]
 CASES.append(("gpt_oss", 1, 2))
+# Qwen3-Next: the DeltaNet heads split over two TP ranks, and EP=2 with its dense first layer
+CASES += [("qwen3_next", 2, 1), ("qwen3_next", 1, 2)]
 
 
 def step(trainer, b):
