@@ -101,3 +101,37 @@ def test_fsdp2_checkpoint_and_export_keep_mtp_layers(tok, tmp_path):
     s.save_pretrained(after.items(), tok, str(tmp_path / "export"))
     back = spec(path=str(tmp_path / "export")).build_model(tok).state_dict()
     assert torch.equal(back[MTP + "eh_proj.weight"], before[MTP + "eh_proj.weight"] + 1)
+
+
+def test_fsdp2_trains_the_mtp_layer_online_and_leaves_the_policy_alone(tok):
+    """With a top-level draft: section the fsdp2 trainer steps the MTP layer after each update on
+    the step's sequences (cross-entropy of token i+2 from hidden state i and token i+1): its loss
+    falls, the policy's weights move only by the policy's own update."""
+    from miles import Batch, Sample, Task
+    from miles_mtp.train import MTPTraining
+    from miles_plugin_fsdp2.config import FSDP2Config
+    from miles_plugin_fsdp2.trainer import FSDP2Trainer
+
+    torch.manual_seed(0)
+    trainer = FSDP2Trainer(FSDP2Config(lr=1e-6, warmup_steps=0), spec=spec(config=CONFIGS["deepseek_v3"]),
+                           tokenizer=tok, seed=0, total_steps=40, draft={"lr": 1e-2})
+    assert isinstance(trainer.draft, MTPTraining)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(16):  # a pattern two tokens ahead is predictable: x, x+1, x+2, ...
+        start = int(torch.randint(5, 15, (1,), generator=g))
+        seq = [start + i for i in range(10)]
+        samples.append(Sample(task=Task(prompt=""), prompt_ids=seq[:3], response_ids=seq[3:], loss_mask=[1] * 7))
+    batch = Batch.from_samples(samples, 0)
+    policy = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not n.startswith(MTP)}
+    mtp = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if n.startswith(MTP)}
+    first = trainer.train_step(batch, lambda b, lp: (b.token_mean(-lp) * 0, {}))  # the policy gets no step
+    for _ in range(30):
+        last = trainer.draft.step(trainer.model, batch)
+    assert last["mtp_loss"] < 0.5 * first["mtp_loss"] and last["mtp_top1"] > first["mtp_top1"]
+    for n, p in trainer.model.named_parameters():
+        if n.startswith(MTP):
+            assert p.grad is None
+        else:
+            assert torch.equal(p, policy[n]), n
+    assert not torch.equal(dict(trainer.model.named_parameters())[MTP + "eh_proj.weight"], mtp[MTP + "eh_proj.weight"])

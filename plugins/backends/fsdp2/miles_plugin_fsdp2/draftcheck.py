@@ -17,7 +17,8 @@ def problems(config: Any, raw: Any) -> list[str]:
                    f"{config.name('trainer')!r}); remove the draft: section or use trainer.name: fsdp2")
     engine = config.raw.get("engine") if isinstance(config.raw.get("engine"), dict) else {}
     spec = engine.get("speculative") if isinstance(engine.get("speculative"), dict) else {}
-    if config.name("engine") != "torch" or spec.get("draft") != "head":
-        out.append("draft: trains a draft head that weight syncs send to the engine, which needs one: set "
-                   "engine.speculative: {draft: head} (engine.name: torch)")
+    if config.name("engine") != "torch" or spec.get("draft") not in ("head", "mtp"):
+        out.append("draft: trains a draft head (or a model's MTP layers) that weight syncs send to the engine, "
+                   "which needs to draft with it: set engine.speculative: {draft: head} (or {draft: mtp} for a "
+                   "model with MTP layers; engine.name: torch)")
     return out

@@ -146,8 +146,9 @@ class FSDP2Trainer:
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg, total_steps))
         # the draft: section: a speculative-decoding draft head on the model (after the policy's
-        # optimizer: it has its own), trained after each update (miles_draft.train)
-        self.draft = _draft_training(draft, self.model, algorithm)
+        # optimizer: it has its own), or its MTP layers, trained after each update (miles_draft.train,
+        # miles_mtp.train)
+        self.draft = _draft_training(draft, self.model, algorithm, 1.0 / self.world_size if self.sharded else 1.0)
         self.gemm = (cpu_gemm.for_model("trainer.cpu_gemm", cfg.cpu_gemm, self.model)
                      if self.device.type == "cpu" else "mkl")
         self.workers = self._workers()
@@ -350,7 +351,9 @@ class FSDP2Trainer:
     def export_draft(self, folder: str) -> None:
         """The draft head as ``draft_head.safetensors`` in ``folder`` (the engine's
         ``engine.speculative.path`` reads it), if this trainer trains one."""
-        if self.draft is None:
+        from miles_draft.train import DraftTraining
+
+        if not isinstance(self.draft, DraftTraining):  # none, or MTP layers: exported with the model
             return
         from miles_draft.files import save_head, split
 
@@ -422,16 +425,24 @@ class FSDP2Trainer:
         self._state = None  # loaded in place, but asked afresh in case a loader replaced tensors
 
 
-def _draft_training(settings: dict | None, model: torch.nn.Module, algorithm: Any) -> Any:
-    """The draft head's training for a ``draft:`` section (validated by this plugin's
-    ``miles_validate_config``), or None. A supervised phase (the warm start) always trains it."""
+def _draft_training(settings: dict | None, model: torch.nn.Module, algorithm: Any, share: float) -> Any:
+    """The draft's training for a ``draft:`` section (validated by this plugin's
+    ``miles_validate_config``), or None: the model's own MTP layers where it carries them (the
+    engine's mtp draft; ``share``: a rank's share of their summed sharded gradient), else a draft
+    head. A supervised phase (the warm start) always trains it."""
     if settings is None:
         return None
     from miles_draft.config import DraftConfig
     from miles_draft.train import DraftTraining
+    from miles_mtp import mtp_layers
 
     supervised = algorithm is not None and not algorithm.uses_rollout
-    return DraftTraining(DraftConfig.model_validate(settings), model, supervised=supervised)
+    cfg = DraftConfig.model_validate(settings)
+    if mtp_layers(model):
+        from miles_mtp.train import MTPTraining
+
+        return MTPTraining(cfg, model, supervised=supervised, share=share)
+    return DraftTraining(cfg, model, supervised=supervised)
 
 
 def _pick_device(name: str, local_rank: int, world: int) -> torch.device:
