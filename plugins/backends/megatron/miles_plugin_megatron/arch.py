@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from miles import MilesError
 
+from .rope import rope_fields, set_yarn
+
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
@@ -128,37 +130,7 @@ def arch_of(hf: Any, architecture: Any = None) -> Arch:
         qk_norm=family in ("qwen3", "qwen3_moe"),
         experts=experts, topk=getattr(hf, "num_experts_per_tok", 0) if experts else 0,
         moe_ffn=getattr(hf, "moe_intermediate_size", 0) if experts else 0,
-        norm_topk=bool(getattr(hf, "norm_topk_prob", True)), **_rope(hf, rope))
-
-
-def _rope(hf: Any, rope: dict[str, Any], mla: bool = False) -> dict[str, Any]:
-    """The ``Arch`` rotary fields of a config's ``rope_parameters``: plain RoPE, or YaRN (megatron-core's
-    ``YarnRotaryEmbedding``, the same frequencies and cos/sin scale as transformers')."""
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(rope.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
-    if kind == "default":
-        return {"rope_theta": theta}
-    if kind != "yarn" or mla:
-        raise MilesError(f"trainer megatron: model.config.rope_parameters.rope_type {kind!r} is not supported "
-                         f"(plain RoPE, or YaRN without multi-latent attention)")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise MilesError("trainer megatron: YaRN with model.config.rope_parameters.partial_rotary_factor != 1 "
-                         "is not supported")
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
-
-    original = int(rope["original_max_position_embeddings"])
-    factor = float(rope.get("factor") or hf.max_position_embeddings / original)
-    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    pair = (float(mscale), float(all_dim)) if mscale and all_dim else None
-    own = _yarn_get_concentration_factor(factor, *(pair or (None, None)))
-    if rope.get("attention_factor") is not None and rope["attention_factor"] != own:
-        raise MilesError(f"trainer megatron: model.config.rope_parameters.attention_factor="
-                         f"{rope['attention_factor']} is not supported: megatron-core derives it from factor, "
-                         f"mscale and mscale_all_dim ({own}); remove the key or match it")
-    return {"rope_theta": theta, "yarn_factor": factor, "yarn_original_max": original,
-            "yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
-            "yarn_beta_slow": float(rope.get("beta_slow") or 1.0),
-            "yarn_truncate": bool(rope.get("truncate", True)), "yarn_mscale": pair}
+        norm_topk=bool(getattr(hf, "norm_topk_prob", True)), **rope_fields(hf, rope))
 
 
 def _described(hf: Any, architecture: Any) -> Arch:
@@ -181,7 +153,7 @@ def _described(hf: Any, architecture: Any) -> Arch:
                 vocab=hf.vocab_size, max_positions=hf.max_position_embeddings,
                 eps=hf.rms_norm_eps, tied=bool(hf.tie_word_embeddings),
                 qkv_bias=bool(getattr(hf, "attention_bias", False)), qk_norm=False)
-    return Arch(**{**base, **_rope(hf, rope, mla=fields.get("kv_lora_rank", 0) > 0), **fields})
+    return Arch(**{**base, **rope_fields(hf, rope, mla=fields.get("kv_lora_rank", 0) > 0), **fields})
 
 
 def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp: int = 1,
@@ -249,14 +221,8 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
         bf16=params_dtype == torch.bfloat16,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         use_cpu_initialization=True, perform_initialization=False, **kw)
-    if arch.yarn_factor > 1:  # read by name (getattr) by GPTModel's YaRN embedding and its attention
-        mscale, all_dim = arch.yarn_mscale or (None, None)
-        for key, value in dict(yarn_rotary_scaling_factor=arch.yarn_factor,
-                               yarn_original_max_position_embeddings=arch.yarn_original_max,
-                               yarn_beta_fast=arch.yarn_beta_fast, yarn_beta_slow=arch.yarn_beta_slow,
-                               yarn_mscale=mscale, yarn_mscale_all_dim=all_dim,
-                               yarn_correction_range_round_to_int=arch.yarn_truncate).items():
-            setattr(config, key, value)
+    if arch.yarn_factor > 1:
+        set_yarn(config, arch)
     return config
 
 
