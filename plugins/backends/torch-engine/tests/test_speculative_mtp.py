@@ -4,6 +4,7 @@ target's distribution, acceptance is reported, and models it cannot serve are re
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from types import SimpleNamespace
 
@@ -47,12 +48,13 @@ class _Tok:
     eos_token_id, pad_token_id = None, 0
 
 
-def _spec(family: str) -> _Spec:
+@functools.cache  # engines deep-copy the model: one build per family serves every test
+def _spec(family: str, vocab: int = VOCAB) -> _Spec:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     arch = make_plugin_manager().create("architectures", family, None)
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=VOCAB, num_nextn_predict_layers=1, max_position_embeddings=64,
+    config = AutoConfig.for_model(family, vocab_size=vocab, num_nextn_predict_layers=1, max_position_embeddings=256,
                                   pad_token_id=0, **CONFIGS[family])
     model = AutoModelForCausalLM.from_config(config).eval()
     (layer,) = arch.attach_mtp(model, None)
@@ -68,7 +70,7 @@ def _fit(model, layer, steps: int = 100) -> list[float]:
     from miles_mtp import mtp_loss
 
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(VOCAB, (96, 3), generator=gen)
+    ids = torch.randint(model.config.vocab_size, (96, 3), generator=gen)
     with torch.no_grad():
         for _ in range(7):
             logits = model(ids).logits[:, -1]
