@@ -110,12 +110,15 @@ def test_fsdp2_trains_the_mtp_layer_online_and_leaves_the_policy_alone(tok):
     from miles import Batch, Sample, Task
     from miles_mtp.train import MTPTraining
     from miles_plugin_fsdp2.config import FSDP2Config
+    from miles_plugin_fsdp2.dist import decoder_layers
     from miles_plugin_fsdp2.trainer import FSDP2Trainer
 
     torch.manual_seed(0)
     trainer = FSDP2Trainer(FSDP2Config(lr=1e-6, warmup_steps=0), spec=spec(config=CONFIGS["deepseek_v3"]),
                            tokenizer=tok, seed=0, total_steps=40, draft={"lr": 1e-2})
     assert isinstance(trainer.draft, MTPTraining)
+    # sharded, the MTP layer is a unit of its own: its forward (outside the model's) gathers its weights
+    assert trainer.draft.layer in decoder_layers(trainer.model)
     g = torch.Generator().manual_seed(0)
     samples = []
     for _ in range(16):  # a pattern two tokens ahead is predictable: x, x+1, x+2, ...

@@ -69,10 +69,12 @@ def destroy_groups() -> None:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks, found generically: HF's ``_no_split_modules`` class names, else
-    any module whose class name ends with DecoderLayer (works through peft wrappers too)."""
+    """The transformer blocks, found generically: HF's ``_no_split_modules`` classes and their
+    subclasses (a checkpoint's MTP layers, ``miles_mtp``: run outside the model's forward, they
+    need hooks of their own to gather their weights), else any module whose class name ends with
+    DecoderLayer (works through peft wrappers too)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    found = [m for m in model.modules() if m is not model and any(c.__name__ in names for c in type(m).__mro__)]
     return found or [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
