@@ -44,6 +44,13 @@ def run(out: str, family: str, tp: int, ep: int) -> None:
     if tp == 1:  # megatron-core trains MoE with TP only under sequence parallelism (not offered)
         result["loss"] = step(tr, b)["loss"]
         result["after"] = tr.logprobs(b)
+    if family == "qwen3_next" and tp == 2:  # changed weights in a TP=2 checkpoint, for a one-rank resume
+        with torch.no_grad():
+            for p in tr.model.parameters():
+                p.add_(0.01)
+        tr.weights_changed()
+        result["changed"] = tr.logprobs(b)
+        tr.save(str(Path(out) / "qwen3_next_tp2_checkpoint"))
     torch.save(result, Path(out) / f"{family}_tp{tp}_ep{ep}_rank{dist.get_rank()}.pt")
 
 

@@ -145,6 +145,26 @@ class GatedDeltaNet(MegatronModule):
                                bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False,
                                tp_comm_buffer_name="fc2", **group)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None,
+                           **kwargs: Any) -> dict[str, Any]:
+        """megatron-core's ``GatedDeltaNet`` checkpoint layout: ``dt_bias``, ``A_log`` and ``conv1d``
+        split across TP ranks, ``in_proj`` and ``conv1d`` stored part by part (query, key, value,
+        ...), so a checkpoint written at one TP size loads at another."""
+        from megatron.core.ssm.gated_delta_net import _split_tensor_factory
+        from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata, **kwargs)
+        for name in ("dt_bias", "A_log", "conv1d.weight"):  # the default treats own parameters as replicas
+            sd[prefix + name] = make_tp_sharded_tensor_for_checkpoint(sd[prefix + name].data, prefix + name, 0,
+                                                                      prepend_offsets=sharded_offsets)
+        qk, v = self.nk * self.dk, self.nv * self.dv
+        sd[prefix + "in_proj.weight"] = _split_tensor_factory(
+            sd[prefix + "in_proj.weight"], [qk, qk, v, v, self.nv, self.nv], ["query", "key", "value", "z", "beta",
+                                                                             "alpha"], 0)
+        sd[prefix + "conv1d.weight"] = _split_tensor_factory(sd[prefix + "conv1d.weight"], [qk, qk, v],
+                                                             ["query", "key", "value"], 0)
+        return sd
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, **_: Any) -> tuple[torch.Tensor, Any]:
         from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
