@@ -17,11 +17,27 @@ engine; mxfp8 is emulated on both. ``--device cuda``: the engine in bfloat16 and
 
     python benchmarks/precision.py [--quick] [--device cpu|cuda] [--shape quickstart|0.5b|0.5b-moe]
                                    [--prompts 64] [--n 4] [--new-tokens 8] [--steps 3] [--threads 1]
+
+``--learn``: the same mismatch in training runs instead: ``recipes/quickstart.yaml`` from one warm
+start (run once in the recipe's precision and exported), then ``--rl-steps`` GRPO steps each with
+bf16 rollout (the reference), FP8 rollout without a correction, and FP8 rollout with IcePop
+(``algorithm.icepop``, ``--icepop LOW HIGH``); training stays in the model's dtype (float32 on CPU).
+Printed per run: greedy eval accuracy at the start and at every ``--eval-every``, the mean
+train/rollout |dlogp| and, where IcePop runs, the share of tokens it masked, its mean weight and the
+token ratios' mean / min / max over the run (the warm start keeps ``--seed``; ``--seeds`` repeats
+the RL runs over seeds).
+
+    python benchmarks/precision.py --learn [--rl-steps 50] [--eval-every 25] [--warm-steps 600]
+                                   [--icepop 0.5 5] [--seed 0] [--seeds 1] [--threads 1] [--work DIR]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from miles import Batch, SamplingParams, Sample, Task
@@ -117,6 +133,89 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+ROOT = Path(__file__).resolve().parents[1]
+LEARN_RUNS = [  # (label, overrides of the RL run); --icepop fills in the band
+    ("bf16 / bf16", {}),
+    ("bf16 / fp8", {"engine": {"weights_dtype": "fp8"}}),
+    ("bf16 / fp8 + IcePop", {"engine": {"weights_dtype": "fp8"}, "algorithm": {"icepop": None}}),
+]
+
+
+def miles(*args: str) -> float:
+    """Run ``miles ARGS`` in a subprocess; its wall seconds."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "miles.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"`miles {' '.join(args)}` failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def learn(args) -> None:
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "warm_model"
+    if not model.is_dir():  # the recipe's supervised warm start, once, in its own precision
+        steps = [f"run.warm_start.min_steps={args.warm_steps}", f"run.warm_start.max_steps={args.warm_steps}"]
+        s = miles("train", "recipes/quickstart.yaml", f"run.out_dir={work / 'warm'}", "run.steps=0",
+                  f"run.threads={args.threads}", f"run.seed={args.seed}", *steps)
+        miles("export", str(work / "warm"), "--to", str(model))
+        print(f"warm start: {args.warm_steps} supervised steps in {s:.0f} s", flush=True)
+    print(f"{'training / rollout':<20} {'seed':>4} {'eval accuracy by step':<34} {'mean|dlogp|':>11} {'masked':>8} "
+          f"{'weight':>7} {'ratio mean/min/max':>20} {'wall s':>7}")
+    final: dict[str, list[float]] = {}
+    for seed in range(args.seed, args.seed + args.seeds):
+        for label, overrides in LEARN_RUNS:
+            r, wall = learn_run(args, model, label, overrides, seed)
+            final.setdefault(label, []).append(r["eval"][-1][1])
+            curve = " -> ".join(f"{a:.3f}" + (f" ({s})" if s else "") for s, a in r["eval"])
+            ratio = (f"{r['ratio_mean']:.4f}/{r['ratio_min']:.3g}/{r['ratio_max']:.3g}"
+                     if "ratio_mean" in r else "-")
+            masked = f"{r['masked']:.2e}" if "masked" in r else "-"
+            weight = f"{r['weight']:.4f}" if "weight" in r else "-"
+            print(f"{label:<20} {seed:>4} {curve:<34} {r['dlogp']:>11.2e} {masked:>8} {weight:>7} {ratio:>20} "
+                  f"{wall:>7.0f}", flush=True)
+    for label, accs in final.items():
+        print(f"final eval accuracy, {label}: mean {sum(accs) / len(accs):.3f} over {len(accs)} seed(s) "
+              f"({', '.join(f'{a:.3f}' for a in accs)})")
+
+
+def learn_run(args, model: Path, label: str, overrides: dict, seed: int) -> tuple[dict, float]:
+    """One GRPO run of the quickstart recipe from the warm model: its summary and wall seconds."""
+    import shutil
+
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
+    cfg["model"] = {"name": "hf", "path": str(model)}
+    cfg["run"].pop("warm_start")
+    out = Path(args.work) / f"{label.replace(' ', '').replace('/', '_').replace('+', '_')}_seed{seed}"
+    cfg["run"].update(steps=args.rl_steps, out_dir=str(out), eval_every=args.eval_every,
+                      checkpoint_every=args.rl_steps, threads=args.threads, seed=seed)
+    for section, values in overrides.items():
+        cfg[section].update({k: (list(args.icepop) if k == "icepop" else v) for k, v in values.items()})
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    shutil.rmtree(out, ignore_errors=True)
+    wall = miles("train", str(path))
+    return learn_summary(out), wall
+
+
+def learn_summary(out: Path) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0 and "train_rollout_logprob_abs_diff" in r]
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in steps) / len(steps)
+
+    r = {"eval": [(row["step"], row["eval_accuracy"]) for row in rows if "eval_accuracy" in row],
+         "dlogp": mean("train_rollout_logprob_abs_diff")}
+    if steps and "icepop_masked_frac" in steps[0]:
+        r.update(masked=mean("icepop_masked_frac"), weight=mean("icepop_weight_mean"),
+                 ratio_mean=mean("mismatch_ratio_mean"), ratio_min=min(x["mismatch_ratio_min"] for x in steps),
+                 ratio_max=max(x["mismatch_ratio_max"] for x in steps))
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 prompts x 2, 4 new tokens, 1 timed step (the suite's)")
@@ -128,7 +227,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--learn", action="store_true", help="GRPO runs of the quickstart recipe: bf16 rollout, "
+                    "fp8 rollout, fp8 rollout with IcePop (see the module doc)")
+    ap.add_argument("--rl-steps", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--seeds", type=int, default=1, help="--learn: RL runs of seeds seed .. seed+seeds-1")
+    ap.add_argument("--warm-steps", type=int, default=600, help="the warm start's supervised steps")
+    ap.add_argument("--icepop", type=float, nargs=2, default=[0.5, 5.0], metavar=("LOW", "HIGH"))
+    ap.add_argument("--work", default="runs/precision_learn", help="the runs' folder (the warm model is kept)")
     args = ap.parse_args()
+    if args.learn:
+        return learn(args)
     if args.quick:
         args.prompts, args.n, args.new_tokens, args.steps = 8, 2, 4, 1
     torch.set_num_threads(args.threads)
