@@ -1,10 +1,12 @@
 """miles export of an INT4 QAT run: a compressed-tensors folder (packed INT4, a quarter of the dense
 size) that transformers loads and whose logits are the torch engine's, the engine fed the trainer's
-packed weights as rollout syncs them."""
+packed weights as rollout syncs them; the folder also loads as a model to train on (``model.path``)
+and to serve (``miles serve``), as the dense export does."""
 import json
 from pathlib import Path
 
 import torch
+from miles import SamplingParams
 from miles.cli import load, main
 from miles.loop import Loop
 from miles.runfolder import latest
@@ -39,3 +41,24 @@ def test_a_qat_run_exports_the_int4_model_the_engine_served(tmp_path):
         dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
     assert torch.allclose(dense, want, atol=1e-5, rtol=0), (dense - want).abs().max()
+
+    # the folder as a model to train on (model.path) and to serve (miles serve): plain linear layers
+    from miles_plugin_hf.config import HFModelConfig
+    from miles_plugin_hf.spec import HFModelSpec
+    from miles_plugin_torch_engine.config import TorchEngineConfig
+    from miles_plugin_torch_engine.engine import TorchEngine
+    from miles_plugin_torch_engine.server import FolderSpec
+
+    spec = HFModelSpec(HFModelConfig(path=str(tmp_path / "int4")))
+    model = spec.build_model(loop.components.tokenizer)
+    assert isinstance(model.model.layers[0].self_attn.q_proj.weight, torch.nn.Parameter)
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+    outs = []
+    for folder in ("int4", "dense"):
+        served = FolderSpec(str(tmp_path / folder))
+        tok = served.build_tokenizer()
+        server = TorchEngine(TorchEngineConfig(), spec=served, tokenizer=tok)
+        outs.append(server.generate([tok("3+4=")["input_ids"]], SamplingParams(temperature=0.0, max_new_tokens=3)))
+    assert outs[0][0][0].token_ids == outs[1][0][0].token_ids
+    assert torch.allclose(torch.tensor(outs[0][0][0].logprobs), torch.tensor(outs[1][0][0].logprobs), atol=1e-5)

@@ -136,3 +136,20 @@ def _shards_of(folder: Path, names: set[str]) -> dict[Path, list[str]]:
     if missing:
         raise CompressedExportError(f"the folder's safetensors hold no weight named {', '.join(missing[:4])}")
     return where
+
+
+def dense_load_kwargs(folder: str | Path) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that load a compressed-tensors folder into plain
+    ``nn.Linear`` layers, its weights dequantized in float32 and cast to the model's dtype (the
+    engines' values), with no quantizer left on the model; ``{}`` for any other folder. Without
+    them transformers keeps the layers packed until the first forward, which code reading
+    ``.weight`` (an engine, a trainer) cannot use."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if (config.get("quantization_config") or {}).get("quant_method") != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}

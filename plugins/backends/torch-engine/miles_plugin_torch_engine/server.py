@@ -76,9 +76,11 @@ class FolderSpec:
         return tok
 
     def build_model(self, tokenizer: Any):
+        from miles_lowp.compressed import dense_load_kwargs
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.model_dir)
+        # an INT4 export (compressed-tensors) is served dequantized, or as INT4 with weights_dtype=int4
+        return AutoModelForCausalLM.from_pretrained(self.model_dir, **dense_load_kwargs(self.model_dir))
 
 
 def _error(message: str, status: int = 400):

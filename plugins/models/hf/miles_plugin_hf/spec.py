@@ -69,8 +69,11 @@ class HFModelSpec:
         dtype = getattr(torch, self.cfg.dtype)
         if self.cfg.gguf_file is not None:
             return _from_gguf(self.cfg.folder, self.cfg.gguf_file, dtype)
-        if self.cfg.path is not None:
-            return AutoModelForCausalLM.from_pretrained(self.cfg.folder, dtype=dtype)
+        if self.cfg.path is not None:  # an INT4 export (compressed-tensors) loads dequantized, to train on
+            from miles_lowp.compressed import dense_load_kwargs
+
+            return AutoModelForCausalLM.from_pretrained(self.cfg.folder, dtype=dtype,
+                                                        **dense_load_kwargs(self.cfg.folder))
         kw = dict(self.cfg.config)
         model_type = kw.pop("model_type")
         kw.setdefault("vocab_size", len(tokenizer))
