@@ -61,7 +61,9 @@ def compress_folder(folder: str | Path, named: Iterable[tuple[str, torch.Tensor]
     full-precision weights ``named`` yields; returns how many weights were packed.
 
     Every name in ``formats`` must end in ``.weight``, be 2-D with rows a multiple of 128 long, be
-    an ``nn.Linear`` of the folder's model and be stored in the folder under that name."""
+    an ``nn.Linear`` of the folder's model and be stored in the folder under that name. Every check
+    runs before any file is written, so on :class:`CompressedExportError` the folder is as it was
+    (``miles export --format auto`` then keeps it dense)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
     from safetensors.torch import load_file, save_file
@@ -75,7 +77,7 @@ def compress_folder(folder: str | Path, named: Iterable[tuple[str, torch.Tensor]
     linears = _linear_modules(folder)
     odd = sorted(n for n in formats if not n.endswith(".weight") or n.removesuffix(".weight") not in linears)
     if odd:
-        raise CompressedExportError(f"compressed-tensors packs nn.Linear weights; not ones: {', '.join(odd[:4])}"
+        raise CompressedExportError(f"compressed-tensors packs nn.Linear weights only, not {', '.join(odd[:4])}"
                                     + (f" and {len(odd) - 4} more" if len(odd) > 4 else ""))
     packed = {n: {f"{n.removesuffix('weight')}{k}": v for k, v in compress_weight(w, scheme).items()}
               for n, w in named if formats.get(n) == "int4"}
