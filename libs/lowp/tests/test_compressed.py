@@ -83,6 +83,8 @@ def test_a_weight_the_format_cannot_hold_changes_no_file(tmp_path):
     before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in tmp_path.iterdir()}
     with pytest.raises(CompressedExportError, match="multiple of 128"):
         compress_folder(tmp_path, master.state_dict().items(), formats)
+    with pytest.raises(CompressedExportError, match="nn.Linear weights only, not model.layers.0.mlp.experts"):
+        compress_folder(tmp_path, master.state_dict().items(), {"model.layers.0.mlp.experts.gate_up_proj": "int4"})
     with pytest.raises(CompressedExportError, match="holds INT4 weights; these are fp8"):
         compress_folder(tmp_path, master.state_dict().items(), dict.fromkeys(formats, "fp8"))
     assert {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in tmp_path.iterdir()} == before
