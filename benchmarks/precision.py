@@ -160,8 +160,8 @@ def learn(args) -> None:
                   f"run.threads={args.threads}", f"run.seed={args.seed}", *steps)
         miles("export", str(work / "warm"), "--to", str(model))
         print(f"warm start: {args.warm_steps} supervised steps in {s:.0f} s", flush=True)
-    print(f"{'training / rollout':<20} {'seed':>4} {'eval accuracy by step':<34} {'mean|dlogp|':>11} {'masked':>8} "
-          f"{'weight':>7} {'ratio mean/min/max':>20} {'wall s':>7}")
+    print(f"{'training / rollout':<20} {'seed':>4} {'mean|dlogp|':>11} {'masked':>8} {'weight':>7} "
+          f"{'ratio mean/min/max':>22} {'wall s':>7}  eval accuracy (step)")
     final: dict[str, list[float]] = {}
     for seed in range(args.seed, args.seed + args.seeds):
         for label, overrides in LEARN_RUNS:
@@ -172,8 +172,8 @@ def learn(args) -> None:
                      if "ratio_mean" in r else "-")
             masked = f"{r['masked']:.2e}" if "masked" in r else "-"
             weight = f"{r['weight']:.4f}" if "weight" in r else "-"
-            print(f"{label:<20} {seed:>4} {curve:<34} {r['dlogp']:>11.2e} {masked:>8} {weight:>7} {ratio:>20} "
-                  f"{wall:>7.0f}", flush=True)
+            print(f"{label:<20} {seed:>4} {r['dlogp']:>11.2e} {masked:>8} {weight:>7} {ratio:>22} {wall:>7.0f}  "
+                  f"{curve}", flush=True)
     for label, accs in final.items():
         print(f"final eval accuracy, {label}: mean {sum(accs) / len(accs):.3f} over {len(accs)} seed(s) "
               f"({', '.join(f'{a:.3f}' for a in accs)})")
