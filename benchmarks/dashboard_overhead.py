@@ -7,7 +7,10 @@ training log-prob copies, the timeline and sample lines, device readings on thei
 step time, and the median step time with telemetry on over off, from runs interleaved so a busy
 machine slows both alike. The target is at most 2% (a ratio of 1.02).
 
-    python benchmarks/dashboard_overhead.py [--steps 30] [--repeats 3] [--quick]
+    python benchmarks/dashboard_overhead.py [--steps 30] [--repeats 3] [--quick] [KEY=VALUE ...]
+
+KEY=VALUE overrides go to both runs (e.g. ``trainer.device=cuda engine.device=cuda``: on a GPU the
+recorder also reads NVML every step).
 """
 from __future__ import annotations
 
@@ -40,9 +43,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="3 steps (one measured), 1 repeat, 8 prompts a step, "
                     "an 8-prompt step-0 eval, one thread (a smoke run)")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for both runs")
     a = ap.parse_args()
     steps, repeats = (3, 1) if a.quick else (a.steps, a.repeats)
     extra = ("rollout.batch_size=8", "env.eval_size=8", "run.threads=1") if a.quick else ()
+    extra = (*extra, *a.overrides)
     on_steps, off_steps, own, total = [], [], 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):
