@@ -10,11 +10,13 @@ bonus token included), then online / frozen in the last quarter.
 
 ``--decode``: the engine alone, decode tokens/s with and without speculation at batch 1, 8, 64
 and 256 (greedy, ``--new-tokens`` each), with a head first trained on the model's own greedy
-continuations; ``--device cuda`` runs the 0.5B (Qwen2-0.5B) shape there.
+continuations; ``--device cuda`` runs the 0.5B (Qwen2-0.5B) shape there. ``--decode --mtp``: the
+same for the ``mtp`` draft on the model's own forward, a DeepSeek-V3-shaped model (MLA, MoE) whose
+MTP layer is first trained (``miles_mtp.train``) on its own greedy continuations.
 
     python benchmarks/speculative.py [--steps 600] [--warm-start N] [--quick] [--out runs/bench_spec]
                                      [--max-batch 4096]
-    python benchmarks/speculative.py --decode [--device cpu|cuda] [--new-tokens 64] [--tokens 3]
+    python benchmarks/speculative.py --decode [--mtp] [--device cpu|cuda] [--new-tokens 64] [--tokens 3]
 """
 from __future__ import annotations
 
@@ -83,6 +85,43 @@ SHAPES = {"cpu": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=
                        num_key_value_heads=2, vocab_size=151936)}
 
 
+MTP_SHAPES = {"cpu": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
+                          qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, vocab_size=64),
+              "cuda": dict(hidden_size=1024, intermediate_size=4096, moe_intermediate_size=512, num_hidden_layers=12,
+                           num_attention_heads=16, kv_lora_rank=256, q_lora_rank=512, qk_rope_head_dim=32,
+                           qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=32, vocab_size=32000)}
+
+
+def mtp_model(args):
+    """A DeepSeek-V3-shaped model with one MTP layer (the arch plugin attaches it) and its spec."""
+    import torch
+    from miles import make_plugin_manager
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch = make_plugin_manager().create("architectures", "deepseek_v3", None)
+    shape = MTP_SHAPES[args.device]
+    cfg = AutoConfig.for_model("deepseek_v3", **shape, num_key_value_heads=shape["num_attention_heads"],
+                               first_k_dense_replace=1, n_group=1, topk_group=1, num_experts_per_tok=2,
+                               num_nextn_predict_layers=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    (layer,) = arch.attach_mtp(model, None)
+    with torch.no_grad():  # DeepSeek-V3's checkpoints hold copies of the model's embedding and head there
+        layer.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+        layer.shared_head.head.weight.copy_(model.lm_head.weight)
+    model = model.to(args.device)
+
+    class Spec:
+        def architecture(self):
+            return arch
+
+        def build_model(self, tokenizer):
+            return model
+
+    return model, Spec()
+
+
 def decode_table(args) -> None:
     import torch
     from miles import Batch, SamplingParams, Sample, Task
@@ -102,26 +141,38 @@ def decode_table(args) -> None:
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    cfg = Qwen2Config(**SHAPES[args.device], max_position_embeddings=512, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(cfg).to(args.device)
+    if args.mtp:
+        model, spec_ = mtp_model(args)
+        cfg = model.config
+    else:
+        cfg = Qwen2Config(**SHAPES[args.device], max_position_embeddings=512, tie_word_embeddings=True)
+        model, spec_ = Qwen2ForCausalLM(cfg).to(args.device), Spec()
     base = {"device": args.device, "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32"}
-    plain = TorchEngine(TorchEngineConfig.model_validate(base), spec=Spec(), tokenizer=Tok())
+    plain = TorchEngine(TorchEngineConfig.model_validate(base), spec=spec_, tokenizer=Tok())
+    draft = "mtp" if args.mtp else "head"
     greedy = SamplingParams(0.0, 1.0, 0, args.new_tokens, [])
     g = torch.Generator().manual_seed(1)
     prompt = lambda: torch.randint(1, cfg.vocab_size, (8,), generator=g).tolist()  # noqa: E731
     # the head learns the model's own greedy continuations (a random model's text is its policy)
-    train = DraftTraining(DraftConfig(lr=2e-3), model)
+    if args.mtp:  # the engine holds the model itself (Spec returns it): the layer it drafts with learns
+        from miles_mtp.train import MTPTraining
+
+        train = MTPTraining(DraftConfig(lr=2e-3), plain.model)
+    else:
+        train = DraftTraining(DraftConfig(lr=2e-3), model)
     for _ in range(args.head_steps):
         prompts = [prompt() for _ in range(32)]
         comps = plain.generate(prompts, greedy, n=1)
         samples = [Sample(task=Task(prompt=""), prompt_ids=p, response_ids=c[0].token_ids,
                           loss_mask=[1] * len(c[0].token_ids)) for p, c in zip(prompts, comps)]
-        metrics = train.step(model, Batch.from_samples(samples, 0).to(args.device))
-    print(f"head trained {args.head_steps} steps: draft_loss {metrics.get('draft_loss', 0):.3f}")
+        with torch.enable_grad():
+            metrics = train.step(plain.model if args.mtp else model, Batch.from_samples(samples, 0).to(args.device))
+    loss = metrics.get("mtp_loss" if args.mtp else "draft_loss", 0)
+    print(f"{draft} trained {args.head_steps} steps: loss {loss:.3f}")
     spec = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
-        "draft": "head", "tokens": args.tokens, "max_batch": 1 << 20}}), spec=Spec(), tokenizer=Tok())
+        "draft": draft, "tokens": args.tokens, "max_batch": 1 << 20}}), spec=spec_, tokenizer=Tok())
     auto = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
-        "draft": "head", "tokens": args.tokens}}), spec=Spec(), tokenizer=Tok())
+        "draft": draft, "tokens": args.tokens}}), spec=spec_, tokenizer=Tok())
     print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'accept len':>11} {'auto':>6}")
     for b in args.batches:
         prompts = [prompt() for _ in range(b)]
@@ -158,6 +209,7 @@ def main() -> None:
     ap.add_argument("--head-steps", type=int, default=150)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mtp", action="store_true", help="--decode with the mtp draft (a DeepSeek-V3 shape)")
     args = ap.parse_args()
     if args.decode:
         decode_table(args)
