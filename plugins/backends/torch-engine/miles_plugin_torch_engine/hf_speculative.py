@@ -169,8 +169,11 @@ def setup_mtp(cfg: Any, model: torch.nn.Module, spec: Any, cache_kw: str) -> MTP
     from miles.protocols import CarriesMTP, KnowsArchitecture
     from miles_mtp import mtp_layers
 
-    arch = spec.architecture() if isinstance(spec, KnowsArchitecture) else None
-    if not isinstance(arch, CarriesMTP):
+    if not isinstance(spec, KnowsArchitecture):
+        raise ConfigError([f"{_KEY}: mtp drafts with the model's multi-token-prediction layers, which this "
+                           f"model spec does not attach (model.name: hf does, for deepseek_v3 and glm4_moe); use "
+                           f"draft: head or model"])
+    if not isinstance(spec.architecture(), CarriesMTP):
         name = getattr(model.config, "model_type", type(model).__name__)
         raise ConfigError([f"{_KEY}: mtp drafts with the model's multi-token-prediction layers, and {name} "
                            f"carries none (deepseek_v3 and glm4_moe do); use draft: head or model"])

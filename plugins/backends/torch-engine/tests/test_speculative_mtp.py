@@ -158,9 +158,12 @@ def test_above_max_batch_the_models_own_decoding_runs_and_weights_reach_the_mtp_
 def test_a_model_without_mtp_layers_is_refused():
     from miles.testing import TinySpec, char_tokenizer
 
-    with pytest.raises(ConfigError, match="engine.speculative.draft.*carries none"):
-        TorchEngine(TorchEngineConfig.model_validate({"speculative": {"draft": "mtp"}}), spec=TinySpec(),
-                    tokenizer=char_tokenizer())
+    mtp = TorchEngineConfig.model_validate({"speculative": {"draft": "mtp"}})
+    with pytest.raises(ConfigError, match="engine.speculative.draft.*does not attach"):
+        TorchEngine(mtp, spec=TinySpec(), tokenizer=char_tokenizer())
+    qwen = SimpleNamespace(architecture=lambda: None, build_model=TinySpec().build_model)  # no plugin: no MTP
+    with pytest.raises(ConfigError, match="engine.speculative.draft.*qwen2 carries none"):
+        TorchEngine(mtp, spec=qwen, tokenizer=char_tokenizer())
 
 
 def test_caches_that_cannot_roll_back_are_refused():
