@@ -69,6 +69,11 @@ class Arch:
     linear_grouped: bool = False  # HF packs the projections per key head (in_proj_qkvz, in_proj_ba)
     linear_bias: bool = False  # biases on the attention output, expert and router projections too
     sinks: bool = False  # a learned per-head logit beside the keys in each softmax (megatron "learnable")
+    # DeepSeek sparse attention (MLA keys picked per query by an indexer's top-k; its module: the
+    # architecture's EditsMegatronLayers edit); 0: dense attention
+    index_topk: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
     window: int = 0  # sliding window: a query sees itself and the ``window - 1`` tokens before it
     window_layers: tuple[int, ...] = ()  # the layers with that window (the others attend fully)
     glu_alpha: float | None = None  # gate activation x * sigmoid(alpha * x) (None: SiLU)
@@ -198,6 +203,9 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
                   qk_head_dim=arch.qk_nope_dim, qk_pos_emb_head_dim=arch.qk_rope_dim, v_head_dim=arch.v_head_dim,
                   rope_type="rope", rotary_base=arch.rope_theta, rotary_scaling_factor=1.0,
                   rotary_percent=arch.rotary_fraction)
+    if arch.index_topk:  # megatron-core's MLA then hands its core attention the layer input and query latent
+        kw.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=arch.index_heads,
+                  dsa_indexer_head_dim=arch.index_dim, dsa_indexer_topk=arch.index_topk)
     if arch.sinks:
         kw.update(softmax_type="learnable")
     if arch.window:  # megatron-core's (left, right) window: ``window - 1`` tokens back, none ahead

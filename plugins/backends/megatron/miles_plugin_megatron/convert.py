@@ -42,7 +42,13 @@ _TP_DIM.update(gated.TP_DIM)  # gated DeltaNet (convert_gated.py)
 _MLA = {"linear_q_proj.weight": "q_proj.weight", "linear_q_down_proj.weight": "q_a_proj.weight",
         "q_layernorm.weight": "q_a_layernorm.weight", "linear_q_up_proj.weight": "q_b_proj.weight",
         "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight", "kv_layernorm.weight": "kv_a_layernorm.weight",
-        "linear_kv_up_proj.weight": "kv_b_proj.weight"}
+        "linear_kv_up_proj.weight": "kv_b_proj.weight",
+        # DeepSeek sparse attention's indexer (GLM-5), replicated on every TP rank
+        "core_attention.indexer.linear_wq_b.weight": "indexer.wq_b.weight",
+        "core_attention.indexer.linear_wk.weight": "indexer.wk.weight",
+        "core_attention.indexer.k_norm.weight": "indexer.k_norm.weight",
+        "core_attention.indexer.k_norm.bias": "indexer.k_norm.bias",
+        "core_attention.indexer.linear_weights_proj.weight": "indexer.weights_proj.weight"}
 
 
 # -- HF <-> full Megatron ----------------------------------------------------------------------------

@@ -78,3 +78,16 @@ class GlmMoeDsa(_SigmoidRouted):
                      for key in ("layer_types", "mlp_layer_types", "indexer_types")
                      if key in config and len(config[key]) != layers]
         return problems
+
+    def megatron_arch(self, hf: Any) -> dict[str, Any]:
+        """DeepSeek-V3's multi-latent attention and sigmoid routing plus DeepSeek sparse attention's
+        indexer (``megatron_dsa.py``)."""
+        from .megatron_dsa import megatron_arch
+
+        return megatron_arch(hf)
+
+    def megatron_layer_spec(self, layer_spec: Any) -> Any:
+        """The sparse core attention (transformers' indexer, attention over its chosen keys)."""
+        from .megatron_dsa import layer_spec as edit
+
+        return edit(layer_spec)
