@@ -1,4 +1,4 @@
-"""Tiny DeepSeek-V3, GLM-4.5 and gpt-oss models (inline configs, random weights, non-zero expert
+"""Tiny DeepSeek-V3, GLM-4.5, GLM-5 and gpt-oss models (inline configs, random weights, non-zero expert
 biases and sinks) and a model spec over them that names its architecture, as the hf spec does, for
 the megatron trainer's tests of families described by architecture plugins."""
 from __future__ import annotations
@@ -28,6 +28,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
 }
+# GLM-5: DeepSeek-V3's attention and routing plus the sparse attention's indexer, which keeps 6 keys
+# per query (rows of the DSA tests are longer); 16 indexer heads, so ReLU'd scores rarely tie at 0
+CONFIGS["glm_moe_dsa"] = {**CONFIGS["deepseek_v3"], "rms_norm_eps": 1e-5, "index_topk": 6, "index_n_heads": 16,
+                          "index_head_dim": 16}
 # the families without multi-token-prediction layers
 NO_MTP = ("gpt_oss",)
 
@@ -55,6 +59,10 @@ def architecture(family: str) -> Any:
         from miles_plugin_gpt_oss.arch import GptOss
 
         return GptOss()
+    if family == "glm_moe_dsa":
+        from miles_plugin_glm.arch import GlmMoeDsa
+
+        return GlmMoeDsa()
     if family == "deepseek_v3":
         from miles_plugin_deepseek.arch import DeepseekV3
 
@@ -83,7 +91,13 @@ def hf_model(family: str, seed: int = 0, **over: Any) -> torch.nn.Module:
                 if name.endswith(("_proj_bias", ".bias", "sinks")):
                     p.copy_(torch.randn(p.shape, generator=g) * (1.0 if name.endswith("sinks") else 0.1))
         return model.eval()
-    architecture(family).attach_mtp(model, None)  # as the hf spec does: the MTP layer rides along
+    if family != "glm_moe_dsa":  # GLM-5's MTP layers are not attached (the glm plugin's README)
+        architecture(family).attach_mtp(model, None)  # as the hf spec does: the MTP layer rides along
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():  # the indexer's key LayerNorm starts at the identity: move it
+        for name, p in model.named_parameters():
+            if ".indexer.k_norm." in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
     with torch.no_grad():  # transformers starts the selection bias at zero: give it a say
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

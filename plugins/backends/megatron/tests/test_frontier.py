@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,9 +31,13 @@ SHOWN["gpt_oss"] = ("decoder.layers.0.self_attention.core_attention.softmax_offs
                     "decoder.layers.0.self_attention.linear_proj.bias", "decoder.layers.1.mlp.router.bias",
                     "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.bias",
                     "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.bias")
+SHOWN["glm_moe_dsa"] = (*SHOWN["deepseek_v3"],
+                        "decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight",
+                        "decoder.layers.2.self_attention.core_attention.indexer.k_norm.bias",
+                        "decoder.layers.2.self_attention.core_attention.indexer.linear_weights_proj.weight")
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss"])
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt_oss", "glm_moe_dsa"])
 @pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_round_trip_bit_exact(family, tp, ep):
     m = hf_model(family)
@@ -300,3 +305,95 @@ def test_gated_tp2_checkpoint_resumes_on_one_rank(two_ranks, megatron_cpu):
     assert (one.logprobs(b) - saved).abs().max() > 1e-3
     one.load(str(two_ranks / "qwen3_next_tp2_checkpoint"))
     assert (one.logprobs(b) - saved).abs().max() < 1e-5
+
+
+# -- GLM-5: multi-latent attention with DeepSeek sparse attention's indexer ------------------------------
+def _glm5_trainer(spec: Any, tokenizer: Any = None) -> Any:
+    from miles_plugin_megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer(MegatronConfig(device="cpu", precision="fp32", lr=1e-3, grad_clip=None),
+                           spec=spec, tokenizer=tokenizer, seed=0, total_steps=10)
+
+
+def test_glm5_logprobs_equal_transformers_keys_dropped_and_steps_lower_the_loss(megatron_cpu):
+    """GLM-5 on one rank in fp32, over rows of up to 18 tokens of which the indexer keeps 6 per
+    query: the sparse core attention gives transformers' log-probs, the selection is live (dense
+    attention or another indexer key projection differ), the export is exact and steps lower the loss."""
+    from frontier_worker import step
+    from miles_plugin_glm.megatron_dsa import Indexer
+
+    tr = _glm5_trainer(Spec("glm_moe_dsa"))
+    assert tr.arch.mla and tr.arch.index_topk == 6 and tr.arch.dense_layers == (0,)
+    b = batch(rows=4, prompt=8, response=8)
+    mask = b.loss_mask.bool()
+    kept = []
+    hooks = [m.register_forward_hook(lambda _m, _a, out: kept.append(out)) for m in tr.model.modules()
+             if isinstance(m, Indexer)]
+    lp = tr.logprobs(b)
+    for h in hooks:
+        h.remove()
+    assert len(kept) == 3
+    s = kept[0].shape[-1]
+    causal = torch.arange(s)[:, None] >= torch.arange(s)[None]
+    for k in kept:  # every query keeps its 6 best causal keys, so later queries drop some
+        assert not (k & ~causal).any() and torch.equal(k.sum(-1), causal.sum(-1).clamp(max=6).expand_as(k[..., 0]))
+    hf = hf_model("glm_moe_dsa")
+    assert (lp - hf_logprobs(hf, b))[mask].abs().max() < 1e-5
+    exported, hs = dict(tr.named_weights()), hf.state_dict()
+    assert set(exported) == set(hs) and all(torch.equal(exported[k], v) for k, v in hs.items())
+    indexer = {k: v.clone() for k, v in hs.items() if ".indexer." in k}
+    assert (lp - hf_logprobs(hf_model("glm_moe_dsa", index_topk=64), b))[mask].abs().max() > 1e-4
+    hf.load_state_dict({k: (v.flip(0) if k.endswith("indexer.wk.weight") else v) for k, v in hs.items()})
+    assert (lp - hf_logprobs(hf, b))[mask].abs().max() > 1e-4
+    losses = [step(tr, b)["loss"] for _ in range(4)]
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    exported = dict(tr.named_weights())  # the indexer does not train (no gradient, as in transformers)
+    assert all(torch.equal(exported[k], v) for k, v in indexer.items())
+
+
+def test_glm5_what_megatron_cannot_build_is_refused():
+    from transformers import AutoConfig
+
+    def arch(**over):
+        return A.arch_of(AutoConfig.for_model("glm_moe_dsa", **{**CONFIGS["glm_moe_dsa"], **over}),
+                         architecture("glm_moe_dsa"))
+
+    assert arch(mlp_layer_types=["dense", "sparse", "dense"]).dense_layers == (0, 2)
+    with pytest.raises(MilesError, match="indexer_types with 'shared' layers"):
+        arch(indexer_types=["full", "shared", "full"])
+    with pytest.raises(MilesError, match="attention_bias: true"):
+        arch(attention_bias=True)
+
+
+def test_glm5_routing_replay(megatron_cpu):
+    """R3 with GLM-5 (the ``moe`` spec over it, a dense first layer): megatron-core's routers of the MoE
+    layers take the recorded experts, and the log-probs equal the spec's replaying transformers forward."""
+    from miles import make_plugin_manager
+    from replay_helpers import MegatronRouting, Tok, as_sets
+
+    pm = make_plugin_manager()
+    settings = pm.registry("model_specs")["moe"].config.model_validate(
+        {"base": {"name": "hf", "config": {"model_type": "glm_moe_dsa", **CONFIGS["glm_moe_dsa"]}},
+         "routing_replay": True})
+    spec = pm.create("model_specs", "moe", settings, pm=pm)
+    tr = _glm5_trainer(spec, Tok())
+    assert tr.replay is not None
+    b = batch(rows=4, prompt=8, response=8)
+    plain = tr.logprobs(b)
+    g = torch.Generator().manual_seed(7)
+    for s in b.samples:  # distinct random experts of the two MoE layers for every token but the last
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        s.extensions["moe"] = {"routed_experts": torch.rand(n, 2, 8, generator=g).argsort(-1)[..., :2].int()}
+    hooks = MegatronRouting(tr.model, len(b))
+    replayed = tr.logprobs(b)
+    hooks.close()
+    assert sorted(hooks.maps) == [1, 2]
+    for row, s in enumerate(b.samples):
+        rec = s.extensions["moe"]["routed_experts"]
+        for column, layer in enumerate((1, 2)):
+            assert torch.equal(hooks.maps[layer][row, :len(rec)], as_sets(rec[:, column], 8))
+    hf = spec.build_model(Tok())
+    hf.load_state_dict(dict(tr.named_weights()))
+    mask = b.loss_mask.bool()
+    assert (replayed - spec.action_logprobs(hf, b).detach())[mask].abs().max() < 1e-5
+    assert (replayed - plain)[mask].abs().max() > 1e-3
