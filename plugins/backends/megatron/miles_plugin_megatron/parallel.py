@@ -141,6 +141,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
 
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
+        if not p.requires_grad:  # frozen (e.g. GLM-5's indexer): a zero gradient would let weight decay move it
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         by_dtype.setdefault(p.grad.dtype, []).append(p.grad)

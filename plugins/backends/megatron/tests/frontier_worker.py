@@ -1,4 +1,4 @@
-"""One rank of a 2-rank CPU run (gloo) of the megatron trainer on DeepSeek-V3, GLM-4.5, gpt-oss and Qwen3-Next
+"""One rank of a 2-rank CPU run (gloo) of the megatron trainer on DeepSeek-V3, GLM-4.5, GLM-5, gpt-oss and Qwen3-Next
 (``frontier.py``), started by test_frontier.py through torch.distributed.run with the TEST-ONLY
 CPU shim: each family at tensor_parallel=2 and at expert_parallel=2 (so data-parallel 2). Writes
 the log-probs' distance from transformers, whether the export is bit-exact and, at EP=2, one
@@ -19,6 +19,8 @@ CASES = [(family, tp, ep) for family in ("deepseek_v3", "glm4_moe") for tp, ep i
 CASES.append(("gpt_oss", 1, 2))
 # Qwen3-Next: the DeltaNet heads split over two TP ranks, and EP=2 with its dense first layer
 CASES += [("qwen3_next", 2, 1), ("qwen3_next", 1, 2)]
+# GLM-5: every TP rank runs the replicated indexer on the same inputs, so they keep the same keys
+CASES.append(("glm_moe_dsa", 2, 1))
 
 
 def step(trainer, b):
@@ -33,7 +35,7 @@ def run(out: str, family: str, tp: int, ep: int) -> None:
     cfg = MegatronConfig(device="cpu", precision="fp32", tensor_parallel=tp, expert_parallel=ep, lr=1e-3,
                          grad_clip=None)
     tr = MegatronTrainer(cfg, spec=Spec(family), tokenizer=None, seed=0, total_steps=10)
-    b = batch(rows=5)
+    b = batch(rows=5, **({"prompt": 8, "response": 8} if family == "glm_moe_dsa" else {}))  # GLM-5: keys dropped
     hf = hf_model(family)
     lp = tr.logprobs(b)
     mask = b.loss_mask.bool()

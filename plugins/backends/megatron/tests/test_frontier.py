@@ -1,7 +1,8 @@
 """DeepSeek-V3 (multi-latent attention) and GLM-4.5 (partial RoPE, q/k norms, QKV biases) in the
 megatron trainer, each described by its architecture plugin (``BuildsMegatron``): sigmoid routing
 with a selection-only expert bias, group-limited top-k, shared experts and a dense first layer; and
-gpt-oss (attention sinks, sliding-window layers, YaRN, biased experts with a clamped SwiGLU).
+gpt-oss (attention sinks, sliding-window layers, YaRN, biased experts with a clamped SwiGLU); GLM-5
+(MLA with DeepSeek sparse attention's indexer).
 HF <-> Megatron conversion is bit-exact at TP 1/2 x EP 1/2; log-probs equal transformers' in fp32
 on one rank and on two gloo ranks (TP=2, EP=2 x DP=2; gpt-oss: EP=2); at EP=2 a step also matches
 one rank's."""
