@@ -125,6 +125,7 @@ class SparseAttention(torch.nn.Module):
             raise MilesError("trainer megatron: GLM-5's sparse attention needs whole sequences on each rank "
                              "(no context or sequence parallelism)")
         self.scale = softmax_scale
+        self.q_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
         self.indexer = Indexer(config)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None,
@@ -133,6 +134,10 @@ class SparseAttention(torch.nn.Module):
         if x is None or qr is None:
             raise MilesError("trainer megatron: GLM-5's sparse attention got no layer input from megatron-core's "
                              "MLA (experimental_attention_variant must be 'dsa')")
+        if value is None or query.shape[-1] != self.q_dim:  # an absorbed (latent-space) MLA query
+            raise MilesError(f"trainer megatron: GLM-5's sparse attention needs megatron-core's up-projected MLA "
+                             f"query, key and value (got a query of {query.shape[-1]} channels per head, "
+                             f"expected {self.q_dim})")
         if packed_seq_params is not None:
             raise MilesError("trainer megatron: GLM-5's sparse attention does not take packed sequences")
         kept = self.indexer(x, qr)
