@@ -1,12 +1,16 @@
 """Speculative decoding: no draft, a frozen draft head and one trained online, over an RL run.
 
-Runs ``recipes/speculative.yaml`` (the quickstart: a supervised warm start, then GRPO, during
-which the policy drifts from what the warm start taught it) three times with the same seed,
-tasks and token budget: without speculation, with the draft head frozen after the warm start
-(``draft.train=false``; the head learns only on the warm start's demonstrations) and with the
-head trained on every step's rollouts (``draft.train=true``). Printed per quarter of the run:
-rollout tokens/s and the mean acceptance length (tokens a row gains per verify step, the
-bonus token included), then online / frozen in the last quarter.
+Runs a recipe (a supervised warm start, then GRPO, during which the policy drifts from what the
+warm start taught it) three times with the same seed, tasks and token budget: without
+speculation, with the draft head frozen after the warm start (``draft.train=false``; the head
+learns only on the warm start's demonstrations) and with the head trained on every step's
+rollouts (``draft.train=true``). Printed per quarter of the run: rollout tokens/s, the mean
+acceptance length (tokens a row gains per verify step, the bonus token included) and the mean
+response length, then online / frozen in the last quarter. ``--recipe arith`` (default):
+``recipes/speculative.yaml``, 3-digit sums, a policy that drifts little. ``--recipe tool_use``:
+``recipes/tool_use.yaml`` with a draft head added, where RL turns direct answers (``=56000``)
+into multi-turn calculator calls (``<tool_call>...</tool_call>``, the tool's output, ``=64467``):
+the format a frozen head learned at the warm start is mostly not what the policy writes later.
 
 ``--decode``: the engine alone, decode tokens/s with and without speculation at batch 1, 8, 64
 and 256 (greedy, ``--new-tokens`` each), with a head first trained on the model's own greedy
@@ -14,8 +18,8 @@ continuations; ``--device cuda`` runs the 0.5B (Qwen2-0.5B) shape there. ``--dec
 same for the ``mtp`` draft on the model's own forward, a DeepSeek-V3-shaped model (MLA, MoE) whose
 MTP layer is first trained (``miles_mtp.train``) on its own greedy continuations.
 
-    python benchmarks/speculative.py [--steps 600] [--warm-start N] [--quick] [--out runs/bench_spec]
-                                     [--max-batch 4096]
+    python benchmarks/speculative.py [--recipe arith|tool_use] [--steps N] [--warm-start N] [--quick]
+                                     [--out runs/bench_spec] [--max-batch 4096] [--kinds none frozen online]
     python benchmarks/speculative.py --decode [--mtp] [--device cpu|cuda] [--new-tokens 64] [--tokens 3]
 """
 from __future__ import annotations
@@ -32,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"none": ["engine.speculative=null", "draft=null"],
          "frozen": ["draft.train=false"],
          "online": ["draft.train=true"]}
+# recipe file and the overrides that give it a draft head (the none arm drops both)
+RECIPES = {"arith": ("recipes/speculative.yaml", []),
+           "tool_use": ("recipes/tool_use.yaml", ["engine.speculative={draft: head, tokens: 3}", "draft={lr: 1.0e-3}"])}
 QUICK = ["run.warm_start.max_steps=10", "run.warm_start.min_steps=10", "run.warm_start.batch_size=32",
          "run.eval_every=1000", "env.eval_size=40", "rollout.batch_size=8", "run.threads=1"]
 
@@ -39,9 +46,11 @@ QUICK = ["run.warm_start.max_steps=10", "run.warm_start.min_steps=10", "run.warm
 def run_kind(kind: str, args) -> list[dict]:
     out = Path(args.out) / kind
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "miles.cli", "train", str(ROOT / "recipes/speculative.yaml"), f"run.out_dir={out}",
-           f"run.steps={args.steps}", f"engine.speculative.max_batch={args.max_batch}", "loggers=[]",
-           *KINDS[kind], *(QUICK if args.quick else []),
+    recipe, draft = RECIPES[args.recipe]
+    cmd = [sys.executable, "-m", "miles.cli", "train", str(ROOT / recipe), f"run.out_dir={out}", *draft,
+           *([f"run.steps={args.steps}"] if args.steps else []), f"engine.speculative.max_batch={args.max_batch}",
+           "loggers=[]", *KINDS[kind], *(QUICK if args.quick else []),
+           *([f"run.threads={args.threads}"] if args.threads else []),
            *([f"run.warm_start.max_steps={args.warm_start}", f"run.warm_start.min_steps={args.warm_start}"]
              if args.warm_start else [])]
     if kind == "none":
@@ -60,18 +69,23 @@ def quarters(rows: list[dict], key: str) -> list[float | None]:
 
 def run_table(args) -> dict:
     table = {}
-    for kind in KINDS:
+    for kind in args.kinds:
         t0 = time.perf_counter()
         rows = run_kind(kind, args)
         evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
         table[kind] = {"tok_s": quarters(rows, "tokens_per_second"), "accept": quarters(rows, "spec_accept_len"),
+                       "length": quarters(rows, "response_length_mean"),
                        "eval": (evals[0], evals[-1]), "seconds": time.perf_counter() - t0}
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    print(f"{'draft':8} {'rollout tok/s per quarter':>40}   {'accept len per quarter':>28}   eval acc")
+    print(f"{'draft':8} {'rollout tok/s per quarter':>40}   {'accept len per quarter':>28}   "
+          f"{'response len per quarter':>28}   eval acc")
     for kind, t in table.items():
         print(f"{kind:8} " + " ".join(f"{fmt(v, ',.0f'):>9}" for v in t["tok_s"]) + "   "
-              + " ".join(f"{fmt(v, '.2f'):>6}" for v in t["accept"])
+              + " ".join(f"{fmt(v, '.2f'):>6}" for v in t["accept"]) + "   "
+              + " ".join(f"{fmt(v, '.1f'):>6}" for v in t["length"])
               + f"   {t['eval'][0]:.3f} -> {t['eval'][1]:.3f}")
+    if not {"none", "frozen", "online"} <= table.keys():
+        return table
     on, fr = table["online"], table["frozen"]
     print(f"last quarter online / frozen: tokens/s {on['tok_s'][3] / fr['tok_s'][3]:.2f}x, "
           f"acceptance length {on['accept'][3] / fr['accept'][3]:.2f}x; speculation / none "
@@ -197,10 +211,14 @@ def decode_table(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--recipe", default="arith", choices=sorted(RECIPES), help="arith: recipes/speculative.yaml; "
+                    "tool_use: recipes/tool_use.yaml with a draft head (a policy that drifts far)")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's)")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS), help="the arms to run")
     ap.add_argument("--quick", action="store_true", help="a 10-step warm start, 8 prompts a step, one thread (tests)")
     ap.add_argument("--out", default="runs/bench_spec")
-    ap.add_argument("--warm-start", type=int, default=None, help="warm-start steps (default: the recipe's 600)")
+    ap.add_argument("--warm-start", type=int, default=None, help="warm-start steps (default: the recipe's)")
+    ap.add_argument("--threads", type=int, default=None, help="run.threads of each arm (default: the recipe's)")
     ap.add_argument("--max-batch", default="4096", help="engine.speculative.max_batch of the drafted runs")
     ap.add_argument("--decode", action="store_true", help="the engine's decode speed-up per batch size")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
