@@ -25,14 +25,73 @@ from typing import Any
 import torch
 
 
-def nextn_layer(decoder_cls: type, norm_cls: type) -> type:
-    """The MTP layer class of a family: its ``decoder_cls(config, layer_idx)`` with the nextn
-    modules added (``norm_cls(size, eps=)`` their RMSNorm)."""
+class Predicts:
+    """``predict``/``step`` of an MTP layer over the parts its family names (``parts``) and its
+    decoder layer (``decode``): token ``i + 1``'s embedding and hidden state ``i``, each normalised,
+    projected to one hidden state, through a decoder layer of the family, normalised and projected
+    to logits."""
 
+    def parts(self) -> tuple[Any, ...]:
+        """``(embed, embed_norm, hidden_norm, proj, out_norm, head)``: callables on tensors."""
+        raise NotImplementedError
+
+    def decode(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rotary: torch.nn.Module,
+               cache: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def predict(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` ``[B, S, H]`` (the main model's last hidden states) and
+        ``next_ids`` ``[B, S]`` (token ``i + 1`` at position ``i``) -> this layer's hidden
+        states and the logits ``[B, S, V]`` of token ``i + 2``; causal over positions 0..S-1
+        (``rotary``: the model's rotary embedding)."""
+        b, s = next_ids.shape
+        positions = torch.arange(s, device=hidden.device)[None].expand(b, -1)
+        return self(hidden, next_ids, rotary, positions, attention_mask(hidden.new_ones((1, s)), s, hidden.dtype))
+
+    def step(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
+             positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``predict`` over a transformers KV ``cache`` of earlier entries (None: none), so a
+        draft chains one entry at a time: ``positions`` ``[B, S]`` of the entries, ``mask`` the
+        additive attention mask ``[B or 1, 1, S, cached + S]`` over the cache's slots and theirs
+        (``attention_mask``)."""
+        return self(hidden, next_ids, rotary, positions, mask, cache)
+
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
+                positions: torch.Tensor, mask: torch.Tensor, cache: Any = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the whole step in forward: a sharded trainer's hooks gather all of the layer's weights
+        # (the model's own forward never calls its MTP layers)
+        embed, enorm, hnorm, proj, norm, head = self.parts()
+        x = proj(torch.cat([enorm(embed(next_ids)), hnorm(hidden)], -1))
+        out = self.decode(x, mask.to(x.dtype), positions, rotary, cache)
+        return out, head(norm(out))
+
+
+def _decoder_kwargs(decoder_cls: type) -> Any:
+    """``kwargs(x, mask, positions, rotary, cache)``: the keyword arguments of one forward of a
+    ``decoder_cls`` layer on ``x``."""
     # transformers 5.24 renamed the layers' past_key_values argument to cache
     cache_kw = "cache" if "cache" in inspect.signature(decoder_cls.forward).parameters else "past_key_values"
 
-    class NextNLayer(decoder_cls):
+    def kwargs(x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rotary: torch.nn.Module,
+               cache: Any) -> dict[str, Any]:
+        return {"attention_mask": mask, "position_ids": positions, "position_embeddings": rotary(x, positions),
+                "use_cache": cache is not None, cache_kw: cache}
+
+    return kwargs
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def nextn_layer(decoder_cls: type, norm_cls: type) -> type:
+    """The MTP layer class of DeepSeek's layout: its ``decoder_cls(config, layer_idx)`` with the
+    nextn modules added (``norm_cls(size, eps=)`` their RMSNorm), an embedding and head of its own."""
+    kwargs = _decoder_kwargs(decoder_cls)
+
+    class NextNLayer(Predicts, decoder_cls):
         def __init__(self, config: Any, layer_idx: int):
             super().__init__(config, layer_idx)
             h, v = config.hidden_size, config.vocab_size
@@ -44,37 +103,55 @@ def nextn_layer(decoder_cls: type, norm_cls: type) -> type:
             self.shared_head.norm = norm_cls(h, eps=config.rms_norm_eps)
             self.shared_head.head = torch.nn.Linear(h, v, bias=False)
 
-        def predict(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-            """``hidden`` ``[B, S, H]`` (the main model's last hidden states) and
-            ``next_ids`` ``[B, S]`` (token ``i + 1`` at position ``i``) -> this layer's hidden
-            states and the logits ``[B, S, V]`` of token ``i + 2``; causal over positions 0..S-1
-            (``rotary``: the model's rotary embedding)."""
-            b, s = next_ids.shape
-            positions = torch.arange(s, device=hidden.device)[None].expand(b, -1)
-            return self(hidden, next_ids, rotary, positions, attention_mask(hidden.new_ones((1, s)), s, hidden.dtype))
+        def parts(self) -> tuple[Any, ...]:
+            return (self.embed_tokens, self.enorm, self.hnorm, self.eh_proj, self.shared_head.norm,
+                    self.shared_head.head)
 
-        def step(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
-                 positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            """``predict`` over a transformers KV ``cache`` of earlier entries (None: none), so a
-            draft chains one entry at a time: ``positions`` ``[B, S]`` of the entries, ``mask`` the
-            additive attention mask ``[B or 1, 1, S, cached + S]`` over the cache's slots and theirs
-            (``attention_mask``)."""
-            return self(hidden, next_ids, rotary, positions, mask, cache)
-
-        def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, rotary: torch.nn.Module,
-                    positions: torch.Tensor, mask: torch.Tensor, cache: Any = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-            # the whole step in forward: a sharded trainer's hooks gather all of the layer's weights
-            # (the model's own forward never calls its MTP layers)
-            x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], -1))
-            out = super().forward(x, attention_mask=mask.to(x.dtype), position_ids=positions,
-                                  position_embeddings=rotary(x, positions), use_cache=cache is not None,
-                                  **{cache_kw: cache})
-            out = out[0] if isinstance(out, tuple) else out
-            return out, self.shared_head.head(self.shared_head.norm(out))
+        def decode(self, x, mask, positions, rotary, cache):
+            return _first(decoder_cls.forward(self, x, **kwargs(x, mask, positions, rotary, cache)))
 
     return NextNLayer
+
+
+class MTPBlock(Predicts, torch.nn.Module):
+    """Qwen3-Next's and Qwen3.5's layout, the model's ``mtp`` module: ``fc`` projects the normalised
+    embedding (``pre_fc_norm_embedding``) and hidden state (``pre_fc_norm_hidden``), ``layers`` holds
+    full-attention decoder layers of the family, ``norm`` precedes the model's own LM head; the
+    embedding is the model's too. It drafts and learns with ``layers[0]`` (the checkpoints carry one).
+    The shared embedding and head stay frozen here: MTP training never moves the policy's weights."""
+
+    def __init__(self, config: Any, decoder_cls: type, norm_cls: type, layer_config: Any, count: int,
+                 model: torch.nn.Module):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = norm_cls(h, eps=eps)
+        self.pre_fc_norm_hidden = norm_cls(h, eps=eps)
+        self.layers = torch.nn.ModuleList(decoder_cls(layer_config, config.num_hidden_layers + k)
+                                          for k in range(count))
+        self.norm = norm_cls(h, eps=eps)
+        self._kwargs = _decoder_kwargs(decoder_cls)
+        # the model's embedding and head, unregistered: their names stay the model's own
+        self._shared = (model.get_input_embeddings(), model.get_output_embeddings())
+
+    def parts(self) -> tuple[Any, ...]:
+        embed, head = self._shared
+        return (lambda ids: torch.nn.functional.embedding(ids, _frozen(embed.weight)), self.pre_fc_norm_embedding,
+                self.pre_fc_norm_hidden, self.fc, self.norm,
+                lambda x: torch.nn.functional.linear(x, _frozen(head.weight).to(x.dtype)))
+
+    def decode(self, x, mask, positions, rotary, cache):
+        # through the layer's __call__: a sharded trainer's hooks gather its weights
+        return _first(self.layers[0](x, **self._kwargs(x, mask, positions, rotary, cache)))
+
+
+def _frozen(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` without its gradient, whole: a sharded trainer keeps the model's root weights
+    sharded outside its forward (every rank runs the MTP step, so the gather is collective)."""
+    from torch.distributed.tensor import DTensor
+
+    weight = weight.detach()
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
 
 def attention_mask(valid: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tensor:
@@ -105,20 +182,23 @@ def mtp_loss(layer: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, va
     return (ce * w).sum() / denom, top1.detach()
 
 
+def _placed(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` initialised as ``model``'s own modules are, in its dtype and on its device."""
+    param = next(model.parameters())
+    with torch.no_grad():  # transformers allocates some weights empty and fills them in post_init
+        for m in module.modules():
+            model._init_weights(m)
+    return module.to(dtype=param.dtype, device=param.device)
+
+
 def attach_nextn(model: torch.nn.Module, layer_cls: type, folder: str | None = None) -> list[torch.nn.Module]:
     """Append the config's ``num_nextn_predict_layers`` MTP layers to ``model.model.layers`` (in
     the model's dtype and device) and return them; their weights are read from the Hugging Face
     ``folder`` the model was loaded from (None, or names it lacks: as ``layer_cls`` initialises them)."""
     config = model.config
-    first = config.num_hidden_layers
-    param = next(model.parameters())
     layers = []
     for k in range(getattr(config, "num_nextn_predict_layers", 0) or 0):
-        layer = layer_cls(config, first + k)
-        with torch.no_grad():  # transformers allocates some weights empty and fills them in post_init
-            for module in layer.modules():
-                model._init_weights(module)
-        layer = layer.to(dtype=param.dtype, device=param.device)
+        layer = _placed(model, layer_cls(config, config.num_hidden_layers + k))
         model.model.layers.append(layer)
         layers.append(layer)
     if layers and folder is not None:
@@ -126,9 +206,36 @@ def attach_nextn(model: torch.nn.Module, layer_cls: type, folder: str | None = N
     return layers
 
 
+def attach_block(model: torch.nn.Module, decoder_cls: type, norm_cls: type, folder: str | None = None,
+                 ) -> list[torch.nn.Module]:
+    """Qwen3-Next's layout: the config's ``mtp_num_hidden_layers`` full-attention layers of
+    ``decoder_cls`` in an ``MTPBlock`` set as ``model.mtp`` (names ``mtp.*``, as the checkpoints
+    store them), with its weights from ``folder`` as ``attach_nextn``'s; ``[block]``, or ``[]``
+    where the config has none."""
+    import copy
+
+    config = model.config
+    count = getattr(config, "mtp_num_hidden_layers", 0) or 0
+    if not count:
+        return []
+    # the layers sit past the decoder's: full attention, always a mixture of experts
+    layer_config = copy.copy(config)
+    layer_config.layer_types = list(config.layer_types) + ["full_attention"] * count
+    layer_config.mlp_only_layers = []
+    layer_config.decoder_sparse_step = 1
+    block = _placed(model, MTPBlock(config, decoder_cls, norm_cls, layer_config, count, model))
+    model.mtp = block
+    if folder is not None:
+        load_missing(model, folder, names_of(model, [block]))
+    return [block]
+
+
 def mtp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The MTP layers attached to ``model`` (those past its decoder's), in order; none where
-    ``model`` has no decoder layer list."""
+    """The MTP layers attached to ``model`` (its ``MTPBlock``, or those past its decoder's), in
+    order; none where ``model`` has neither."""
+    block = model._modules.get("mtp") if isinstance(model, torch.nn.Module) else None
+    if isinstance(block, MTPBlock):
+        return [block]
     layers = getattr(getattr(model, "model", model), "layers", None)
     config = getattr(model, "config", None)
     if not isinstance(layers, torch.nn.ModuleList) or config is None:

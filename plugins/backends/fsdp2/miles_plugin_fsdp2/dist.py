@@ -71,11 +71,15 @@ def destroy_groups() -> None:
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks, found generically: HF's ``_no_split_modules`` classes and their
     subclasses (a checkpoint's MTP layers, ``miles_mtp``: run outside the model's forward, they
-    need hooks of their own to gather their weights), else any module whose class name ends with
-    DecoderLayer (works through peft wrappers too)."""
+    need hooks of their own to gather their weights, as does an MTP module around its layers), else
+    any module whose class name ends with DecoderLayer (works through peft wrappers too)."""
+    from miles_mtp import mtp_layers
+
     names = set(getattr(model, "_no_split_modules", None) or [])
     found = [m for m in model.modules() if m is not model and any(c.__name__ in names for c in type(m).__mro__)]
-    return found or [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    found = found or [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    # an MTP module holding its decoder layers (Qwen3-Next's ``mtp``): a unit around theirs, sharded after them
+    return found + [m for m in mtp_layers(model) if m not in found]
 
 
 def shard(model: torch.nn.Module, device: torch.device, mixed_precision: str | None) -> None:

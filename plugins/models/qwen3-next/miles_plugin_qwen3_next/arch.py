@@ -31,7 +31,23 @@ class Qwen3Next:
         return problems
 
     def routers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        return [m for m in model.modules() if type(m).__name__ in ROUTERS]
+        from miles_mtp import outside_mtp
+
+        return [m for m in outside_mtp(model) if type(m).__name__ in ROUTERS]
+
+    def attach_mtp(self, model: torch.nn.Module, folder: str | None) -> list[torch.nn.Module]:
+        """The checkpoint's MTP module (``mtp.*``: ``fc``, the two ``pre_fc_norm_*``, ``layers.<k>``
+        of full attention over the mixture of experts, ``norm``; the config's ``mtp_num_hidden_layers``),
+        kept beside the model, with its weights from ``folder`` (None: as initialised)."""
+        from miles_mtp import attach_block
+
+        if model.config.model_type == "qwen3_next":
+            from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+            return attach_block(model, m.Qwen3NextDecoderLayer, m.Qwen3NextRMSNorm, folder)
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+
+        return attach_block(model, m.Qwen3_5MoeDecoderLayer, m.Qwen3_5MoeRMSNorm, folder)
 
     def megatron_arch(self, hf: Any) -> dict[str, Any]:
         """Gated attention (partial RoPE, zero-centred q/k norms) and gated DeltaNet layers over
