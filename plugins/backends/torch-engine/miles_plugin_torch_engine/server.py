@@ -53,10 +53,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 class FolderSpec:
-    """Model spec over a Hugging Face folder (config.json, safetensors, tokenizer files)."""
+    """Model spec over a Hugging Face folder (config.json, safetensors, tokenizer files). It names
+    the architecture a plugin registers for the folder's ``model_type`` (``KnowsArchitecture``), and
+    where that architecture ``CarriesMTP`` the model carries the folder's MTP layers, which
+    transformers drops (``engine.speculative.draft=mtp`` drafts with them)."""
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
+        self._arch: list[Any] = []  # looked up once, on first use
+
+    def architecture(self) -> Any:
+        if not self._arch:
+            from miles import make_plugin_manager
+
+            model_type = json.loads((Path(self.model_dir) / "config.json").read_text()).get("model_type")
+            pm = make_plugin_manager()
+            found = model_type is not None and model_type in pm.registry("architectures")
+            self._arch.append(pm.create("architectures", model_type, None) if found else None)
+        return self._arch[0]
 
     def build_tokenizer(self, default: Any = None) -> Any:
         from transformers import AutoTokenizer
@@ -76,11 +90,26 @@ class FolderSpec:
         return tok
 
     def build_model(self, tokenizer: Any):
+        from miles.protocols import CarriesMTP
         from miles_lowp.compressed import dense_load_kwargs
         from transformers import AutoModelForCausalLM
 
         # an INT4 export (compressed-tensors) is served dequantized, or as INT4 with weights_dtype=int4
-        return AutoModelForCausalLM.from_pretrained(self.model_dir, **dense_load_kwargs(self.model_dir))
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, **dense_load_kwargs(self.model_dir))
+        arch = self.architecture()
+        if isinstance(arch, CarriesMTP):
+            arch.attach_mtp(model, self.model_dir)
+        return model
+
+
+def served_spec(model_dir: str, cfg: Any) -> Any:
+    """The model spec ``miles serve`` loads ``model_dir`` with under engine settings ``cfg``: the
+    folder, with routers that record for a mixture-of-experts model (``return_routed_experts``),
+    except when the MTP layers draft (recorded routes would include the rejected drafts')."""
+    folder = FolderSpec(model_dir)
+    if cfg.speculative is not None and cfg.speculative.draft == "mtp":
+        return folder
+    return with_routing(folder, model_dir)
 
 
 def _error(message: str, status: int = 400):
@@ -404,7 +433,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, api_key: s
     from .engine import TorchEngine
 
     hf_logging.disable_progress_bar()  # the launcher reads our stdout/stderr
-    spec = with_routing(FolderSpec(model_dir), model_dir)  # an MoE folder: routers that record
+    spec = served_spec(model_dir, cfg)
     tokenizer = spec.build_tokenizer()
     engine = TorchEngine(cfg, spec=spec, tokenizer=tokenizer)
     scheduler = Scheduler(engine)

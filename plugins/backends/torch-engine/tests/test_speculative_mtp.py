@@ -178,3 +178,45 @@ def test_caches_that_cannot_roll_back_are_refused():
     assert "DynamicSlidingWindowLayer" in _rollback_problem(SimpleNamespace(config=sliding))
     mla = AutoConfig.for_model("deepseek_v3", vocab_size=8, **CONFIGS["deepseek_v3"])
     assert _rollback_problem(SimpleNamespace(config=mla)) is None
+
+
+def test_miles_serve_drafts_with_the_mtp_layer_of_its_folder(tmp_path):
+    """``miles serve FOLDER engine.speculative.draft=mtp``: the folder spec attaches the MTP layer
+    the folder stores (transformers drops it); ``/generate``'s greedy answer is the plain engine's,
+    and ``/metrics`` reports the drafts' acceptance."""
+    import asyncio
+
+    import httpx
+    from miles.testing import char_tokenizer
+
+    from miles_plugin_torch_engine.scheduler import Scheduler
+    from miles_plugin_torch_engine.server import FolderSpec, build_app, served_spec
+
+    tok = char_tokenizer("abc")  # VOCAB tokens: the cached model's
+    src = _spec("deepseek_v3")
+    folder = str(tmp_path / "model")
+    src.model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = TorchEngineConfig.model_validate({"speculative": MTP})
+    spec = served_spec(folder, cfg)
+    engine = TorchEngine(cfg, spec=spec, tokenizer=spec.build_tokenizer(), seed=0)
+    name = "model.layers.2.eh_proj.weight"  # read from the folder, not initialised
+    assert torch.equal(dict(engine.model.named_parameters())[name], dict(src.model.named_parameters())[name])
+    scheduler = Scheduler(engine)
+    app = build_app(engine, scheduler, model_dir=folder)
+    body = {"input_ids": [[2, 3, 4], [2, 5]], "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/generate", json=body), await c.get("/metrics")
+
+    try:
+        r, metrics = asyncio.run(ask())
+    finally:
+        scheduler.stop()
+    assert r.status_code == 200, r.text
+    plain = TorchEngine(TorchEngineConfig(), spec=FolderSpec(folder), tokenizer=tok, seed=0)
+    want = plain.generate(body["input_ids"], SamplingParams(0.0, 1.0, 0, 10, [tok.eos_token_id]))
+    assert [o["output_ids"] for o in r.json()] == [c[0].token_ids for c in want]
+    rate = [line for line in metrics.text.splitlines() if line.startswith("miles_engine_spec_accept_rate")]
+    assert rate and 0.0 < float(rate[0].split()[-1]) <= 1.0, metrics.text[-2000:]
