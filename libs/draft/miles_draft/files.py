@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -18,6 +18,11 @@ def split(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, to
         else:
             model.append((name, t))
     return model, head
+
+
+def without_head(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model's named weights without the head's (the policy's alone, as an export writes them)."""
+    return ((name, t) for name, t in named if not name.startswith(PREFIX))
 
 
 def save_head(head: dict[str, torch.Tensor], folder: str) -> str:

@@ -52,23 +52,38 @@ def attach(model: nn.Module) -> DraftHead:
     head = head_of(model)
     if head is not None:
         return head
-    cfg = model.config
     ref = model.get_output_embeddings().weight
-    with torch.random.fork_rng(devices=[]):  # the run's own random stream stays as without a draft
-        head = DraftHead(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "rms_norm_eps", 1e-6))
-    head = head.to(device=ref.device, dtype=ref.dtype)
+    head = make_head(model.config, ref.device, ref.dtype)
     model.add_module(NAME, head)
     return head
+
+
+def make_head(config, device: torch.device, dtype: torch.dtype) -> DraftHead:
+    """A fresh head for a model of Hugging Face ``config``: every trainer and the engine size it
+    alike, so a head trained by one loads into the other."""
+    with torch.random.fork_rng(devices=[]):  # the run's own random stream stays as without a draft
+        head = DraftHead(config.hidden_size, config.intermediate_size, getattr(config, "rms_norm_eps", 1e-6))
+    return head.to(device=device, dtype=dtype)
 
 
 def head_logits(model: nn.Module, feature: torch.Tensor) -> torch.Tensor:
     """Logits of a head output feature through the target's LM head (detached: the head's loss
     must leave no gradient on the policy's weights)."""
-    return F.linear(feature, _full(model.get_output_embeddings().weight).detach())
+    return F.linear(feature, lm_weight(model))
 
 
 def embed(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return F.embedding(ids, _full(model.get_input_embeddings().weight).detach())
+    return F.embedding(ids, embedding_weight(model))
+
+
+def lm_weight(model: nn.Module) -> torch.Tensor:
+    """The target's whole LM head weight ``[V, d]``, detached."""
+    return _full(model.get_output_embeddings().weight).detach()
+
+
+def embedding_weight(model: nn.Module) -> torch.Tensor:
+    """The target's whole input embedding ``[V, d]``, detached."""
+    return _full(model.get_input_embeddings().weight).detach()
 
 
 def _full(w: torch.Tensor) -> torch.Tensor:

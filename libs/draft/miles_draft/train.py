@@ -6,33 +6,95 @@ hidden state at ``j`` and the token at ``j + 1``, is trained toward the policy's
 the token at ``j + 2`` (a KL, i.e. cross-entropy on soft targets), on response positions only
 (the tokens it will draft). ``unroll`` steps chain the head on its own features, as drafting
 does. The head has its own optimizer and clip: nothing reaches the policy's gradients.
+
+``HeadTraining`` is the part every trainer shares (the loss over given hidden states, the
+optimizer step, its state on disk); ``DraftTraining`` runs it on a Hugging Face model whose
+``draft_head`` submodule it is. A trainer with another model (megatron-core's) feeds
+``HeadTraining`` the hidden states, target log-probs and vocabulary weights it gathered itself.
 """
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from .config import DraftConfig
-from .head import attach, embed, head_logits
+from .head import DraftHead, attach, embedding_weight, lm_weight
 
 OPTIM_FILE = "draft_optim.pt"
 
 
-class DraftTraining:
-    """The head of ``model`` (attached if missing) and its optimizer. ``supervised``: the owning
-    trainer runs supervised steps (a warm start), where the head always learns."""
+def denominators(mask: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+    """The response tokens each unrolled step scores (at least one) over the rows of ``mask``
+    ``[B, R]``: a trainer that splits a batch over micro-batches or ranks computes them over the
+    whole batch, so the parts' losses and metrics add up to the whole batch's."""
+    R = mask.shape[1]
+    return [mask[:, s:R].float().sum().clamp(min=1) for s in range(1, min(unroll, R - 1) + 1)]
 
-    def __init__(self, cfg: DraftConfig, model: torch.nn.Module, supervised: bool = False):
-        self.cfg = cfg
-        self.head = attach(model)
+
+class HeadTraining:
+    """A draft head and its own AdamW. ``supervised``: the owning trainer runs supervised steps
+    (a warm start), where the head always learns, even with ``train: false``."""
+
+    def __init__(self, cfg: DraftConfig, head: DraftHead, supervised: bool = False):
+        self.cfg, self.head = cfg, head
         self.active = cfg.train or supervised
         self.optim = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=0.0)
 
+    def loss(self, hidden: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+             embedding: torch.Tensor, lm_head: torch.Tensor,
+             denoms: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The head's loss on rows of response positions: ``hidden [B, R, d]`` the policy's final
+        hidden state before each response token, ``target [B, R - 1, V]`` its log-probs of
+        response tokens ``1 .. R - 1`` (the head, fed the state before token ``i`` and token ``i``,
+        predicts token ``i + 1``), ``ids``/``mask [B, R]`` the response tokens and which are trained,
+        ``embedding``/``lm_head [V, d]`` the policy's (detached). ``denoms``: ``denominators`` of
+        the whole batch. Metrics (this part's share of the batch's): ``draft_loss`` (KL to the
+        policy, step 1), ``draft_top1`` (the head's argmax is the policy's)."""
+        R = ids.shape[1]
+        feats, losses, metrics = hidden.to(self.head.fc.weight.dtype), [], {}
+        for s in range(1, len(denoms) + 1):
+            feats = self.head(feats[:, :R - s], F.embedding(ids[:, s - 1:R - 1], embedding).to(feats.dtype))
+            logq = torch.log_softmax(F.linear(feats, lm_head.to(feats.dtype)).float(), dim=-1)
+            logp, m = target[:, s - 1:R - 1].float(), mask[:, s:R].float()
+            kl = (logp.exp() * (logp - logq)).sum(-1)
+            losses.append((kl * m).sum() / denoms[s - 1])
+            if s == 1:
+                top1 = (logq.argmax(-1) == logp.argmax(-1)).float()
+                metrics = {"draft_loss": losses[0].detach(), "draft_top1": (top1 * m).sum() / denoms[0]}
+        return self.cfg.loss_weight * torch.stack(losses).mean(), metrics
+
+    def update(self, reduce: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
+        """One optimizer step on the gradients the losses left; ``reduce(params)`` first sums them
+        over the ranks that trained on other rows (so every replica takes the same step)."""
+        params = list(self.head.parameters())
+        if reduce is not None:
+            reduce(params)
+        if self.cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+
+    def save(self, path: str) -> None:
+        torch.save(self.optim.state_dict(), os.path.join(path, OPTIM_FILE))
+
+    def load(self, path: str) -> None:
+        """The optimizer state saved beside a checkpoint (the head's weights come with the model's)."""
+        file = os.path.join(path, OPTIM_FILE)
+        if os.path.exists(file):  # weights_only: a planted file cannot run code
+            self.optim.load_state_dict(torch.load(file, weights_only=True))
+
+
+class DraftTraining(HeadTraining):
+    """The head of the Hugging Face ``model`` (attached if missing) and its optimizer."""
+
+    def __init__(self, cfg: DraftConfig, model: torch.nn.Module, supervised: bool = False):
+        super().__init__(cfg, attach(model), supervised)
+
     def step(self, model: torch.nn.Module, batch: Any) -> dict[str, float]:
-        """One optimizer step of the head on ``batch`` (a ``miles.Batch`` of token rows); metrics
-        ``draft_loss`` (KL to the policy, step 1), ``draft_top1`` (the head's argmax is the policy's)."""
+        """One optimizer step of the head on ``batch`` (a ``miles.Batch`` of token rows)."""
         if not self.active or batch.input_ids is None or batch.attention_mask.dim() != 2:
             return {}
         P, R = batch.prompt_len, batch.input_ids.shape[1] - batch.prompt_len
@@ -43,34 +105,11 @@ class DraftTraining:
                         position_ids=batch.position_ids, use_cache=False, output_hidden_states=True,
                         logits_to_keep=R)
             hidden = out.hidden_states[-1][:, P - 1:-1].detach()  # h_j, j = P-1 .. L-2
-            target = torch.log_softmax(out.logits.float(), dim=-1)  # policy at columns P .. L-1
-        mask = batch.loss_mask.to(hidden.device).float()
-        feats, losses, metrics = hidden, [], {}
-        for s in range(1, min(self.cfg.unroll, R - 1) + 1):
-            tokens = batch.input_ids[:, P + s - 1:P + R - 1]
-            feats = self.head(feats[:, :R - s], embed(model, tokens).detach())
-            logq = torch.log_softmax(head_logits(model, feats).float(), dim=-1)
-            logp, m = target[:, s - 1:R - 1], mask[:, s:R]
-            kl = (logp.exp() * (logp - logq)).sum(-1)
-            denom = m.sum().clamp(min=1)
-            losses.append((kl * m).sum() / denom)
-            if s == 1:
-                top1 = (logq.argmax(-1) == logp.argmax(-1)).float()
-                metrics = {"draft_loss": float(losses[0].detach()), "draft_top1": float((top1 * m).sum() / denom)}
-        loss = self.cfg.loss_weight * torch.stack(losses).mean()
+            target = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)  # policy at columns P .. L-2
+        mask = batch.loss_mask.to(hidden.device)
         self.optim.zero_grad(set_to_none=True)
+        loss, metrics = self.loss(hidden, target, batch.input_ids[:, P:], mask, embedding_weight(model),
+                                  lm_weight(model), denominators(mask, self.cfg.unroll))
         loss.backward()
-        if self.cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
-        self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
-        return metrics
-
-    def save(self, path: str) -> None:
-        torch.save(self.optim.state_dict(), os.path.join(path, OPTIM_FILE))
-
-    def load(self, path: str) -> None:
-        """The optimizer state saved beside a checkpoint (the head's weights come with the model's)."""
-        file = os.path.join(path, OPTIM_FILE)
-        if os.path.exists(file):  # weights_only: a planted file cannot run code
-            self.optim.load_state_dict(torch.load(file, weights_only=True))
+        self.update()
+        return {k: float(v) for k, v in metrics.items()}

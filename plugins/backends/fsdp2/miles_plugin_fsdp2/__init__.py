@@ -28,6 +28,6 @@ def miles_validate_config(config):
     raw = config.raw.get("draft")
     if raw is None:
         return None
-    from .draftcheck import problems
+    from miles_draft.check import problems
 
-    return problems(config, raw)
+    return problems(config, raw, "fsdp2")

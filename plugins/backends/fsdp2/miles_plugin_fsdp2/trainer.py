@@ -344,9 +344,9 @@ class FSDP2Trainer:
 
     def model_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``named_weights`` without the draft head's (``miles.protocols.ExportsDraft``)."""
-        from miles_draft import PREFIX
+        from miles_draft.files import without_head
 
-        return ((n, t) for n, t in self.named_weights() if not n.startswith(PREFIX))
+        return without_head(self.named_weights())
 
     def export_draft(self, folder: str) -> None:
         """The draft head as ``draft_head.safetensors`` in ``folder`` (the engine's

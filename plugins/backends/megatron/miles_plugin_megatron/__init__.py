@@ -25,12 +25,33 @@ def _make(cfg, **context):
 
 @hookimpl
 def miles_validate_config(config):
-    """No CUDA GPU for a cuda device: told with the config, before a run writes anything."""
+    """The ``draft:`` section (miles_draft.check, and what this trainer trains of it); no CUDA GPU
+    for a cuda device: told with the config, before a run writes anything."""
+    out = _draft_problems(config)
     if config.name("trainer") != "megatron" or not config.settings("trainer").device.startswith("cuda"):
-        return None
+        return out or None
     import torch
 
     if torch.cuda.is_available():
-        return None
-    return [f"trainer.device: {config.settings('trainer').device!r}, but torch sees no CUDA GPU here, and "
+        return out or None
+    return out + [f"trainer.device: {config.settings('trainer').device!r}, but torch sees no CUDA GPU here, and "
             f"megatron-core's forward needs one; run on a GPU machine or use trainer.name: fsdp2 on CPU"]
+
+
+def _draft_problems(config) -> list[str]:
+    raw = config.raw.get("draft")
+    if raw is None:
+        return []
+    from miles_draft.check import problems, speculative
+
+    out = problems(config, raw, "megatron")
+    if config.name("trainer") != "megatron":
+        return out
+    if speculative(config).get("draft") == "mtp":
+        out.append("draft: trainer megatron trains the head draft online, not a model's MTP layers "
+                   "(engine.speculative.draft is 'mtp'); use engine.speculative: {draft: head}, "
+                   "trainer.name: fsdp2, or remove the draft: section")
+    if config.settings("trainer").pipeline_parallel > 1:
+        out.append("draft.train: trainer megatron trains the draft head without pipeline stages (only the last "
+                   "stage sees the final hidden states); use trainer.pipeline_parallel: 1 or remove the draft: section")
+    return out

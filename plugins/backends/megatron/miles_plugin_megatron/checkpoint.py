@@ -2,7 +2,7 @@
 torch_dist format).
 
 Each rank contributes its shards of the policy, the AdamW moments, the reference model and the
-critic (with its optimizer) as megatron-core sharded state dicts: global tensors described by
+critic and the draft head (each with its optimizer) as megatron-core sharded state dicts: global tensors described by
 offsets, replicas written once, TP-split ``[gate; up]`` weights re-assembled by megatron-core's own
 factories. On load each rank reads the parts its layout holds, so a checkpoint written at one
 tensor- / expert- / data-parallel size resumes at another. The vocabulary rows (padded to the TP
@@ -35,6 +35,9 @@ def _sharded_params(model: torch.nn.Module, prefix: str) -> tuple[dict[str, Any]
 
     if hasattr(model, "sharded_state_dict"):  # a megatron-core module
         sd = model.sharded_state_dict(prefix=prefix)
+    elif prefix == "draft.":  # the draft head, replicated on every rank (no pipeline stages): one writes it
+        sd = {prefix + name: make_sharded_tensor_for_checkpoint(p, prefix + name)
+              for name, p in model.named_parameters()}
     else:  # the critic: its GPT backbone, plus a norm and head replicated on every rank
         from megatron.core import parallel_state as ps
 
@@ -71,18 +74,22 @@ def _step(optim: torch.optim.Optimizer) -> float:
     return max((float(st["step"]) for st in optim.state.values() if "step" in st), default=0.0)
 
 
-def _parts(trainer: Any) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer | None]]:
+def _parts(trainer: Any, draft: bool = True) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer | None]]:
+    """What a checkpoint holds; ``draft``: the draft head too, if the trainer has one (a checkpoint
+    written without one leaves a new head as it was made)."""
     parts = [("model.", trainer.model, trainer.optim)]
     if trainer.ref is not None:
         parts.append(("ref.", trainer.ref, None))
     if getattr(trainer, "critic", None) is not None:
         parts.append(("critic.", trainer.critic, trainer.critic_optim))
+    if draft and trainer.draft is not None:
+        parts.append(("draft.", trainer.draft.head, trainer.draft.optim))
     return parts
 
 
-def _sharded(trainer: Any) -> dict[str, Any]:
+def _sharded(trainer: Any, draft: bool = True) -> dict[str, Any]:
     sd: dict[str, Any] = {}
-    for prefix, model, optim in _parts(trainer):
+    for prefix, model, optim in _parts(trainer, draft):
         model_sd, by_param = _sharded_params(model, prefix)
         sd[prefix] = model_sd
         if optim is not None:
@@ -101,6 +108,8 @@ def save(trainer: Any, path: str) -> None:
         "step": _step(trainer.optim), "sched": trainer.sched.state_dict(), "rng": torch.get_rng_state(),
         "ref": trainer.ref is not None, "critic": getattr(trainer, "critic", None) is not None,
         "critic_step": _step(trainer.critic_optim) if getattr(trainer, "critic", None) is not None else 0.0,
+        "draft": trainer.draft is not None,
+        "draft_step": _step(trainer.draft.optim) if trainer.draft is not None else 0.0,
         "layout": {"tensor_parallel": trainer.tp, "expert_parallel": trainer.ep}}
     if trainer.device.type == "cuda":
         sd["common"]["cuda_rng"] = torch.cuda.get_rng_state(trainer.device)
@@ -150,7 +159,8 @@ def load(trainer: Any, path: str) -> None:
         trainer.snapshot_reference()  # the target layout; its values come from the checkpoint
     if common["critic"] and hasattr(trainer, "build_critic"):  # else a run without critic resumes
         trainer.build_critic()
-    sd = _sharded(trainer)
+    draft = bool(common.get("draft"))
+    sd = _sharded(trainer, draft)
     with _safe_reads() as readers:
         try:
             loaded = dist_checkpointing.load(sd, path)
@@ -160,7 +170,7 @@ def load(trainer: Any, path: str) -> None:
                 raise
             raise refused from None
     with torch.no_grad():
-        for prefix, model, optim in _parts(trainer):
+        for prefix, model, optim in _parts(trainer, draft):
             weights = {k.removeprefix(prefix): v for k, v in loaded[prefix].items()}
             missing, unexpected = model.load_state_dict(weights, strict=False)
             if [k for k in missing if not k.endswith("_extra_state")] or unexpected:
@@ -168,7 +178,7 @@ def load(trainer: Any, path: str) -> None:
                                  f"{missing[:3]}, unexpected {unexpected[:3]})")
             if optim is not None:
                 _restore(optim, model, loaded[prefix + "optim"], prefix + "optim.",
-                         common["critic_step" if prefix == "critic." else "step"])
+                         common[{"critic.": "critic_step", "draft.": "draft_step"}.get(prefix, "step")])
     trainer.weights_changed()
     trainer.sched.load_state_dict(common["sched"])
     torch.set_rng_state(common["rng"])

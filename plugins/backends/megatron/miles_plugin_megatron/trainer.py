@@ -26,6 +26,7 @@ from miles.protocols import EditsMegatronLayers, KnowsArchitecture
 from . import arch as arch_
 from . import compute as compute_
 from . import convert
+from . import draft as draft_
 from . import parallel as par
 from . import pipeline
 from . import replay as replay_
@@ -50,12 +51,12 @@ def right_aligned(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return shifted, index
 
 
-class MegatronTrainer:
+class MegatronTrainer(draft_.ExportsHead):
     """Collectives (``train_step``, ``logprobs``, ``named_weights``, ``load_weights``,
     ``snapshot_reference``, ``save``, ``load``) must be called on every rank."""
 
     def __init__(self, cfg: MegatronConfig, *, spec: Any, tokenizer: Any, seed: int = 0,
-                 total_steps: int = 0, **_: Any):
+                 total_steps: int = 0, draft: dict | None = None, algorithm: Any = None, **_: Any):
         self.cfg, self.spec, self.tokenizer = cfg, spec, tokenizer
         self.rank, local_rank, self.world_size = par.world_from_env(cfg.world_size)
         self.device = par.pick_device(cfg.device, local_rank, self.world_size)
@@ -96,6 +97,7 @@ class MegatronTrainer:
         built = set(convert.full_to_hf(full, self.arch, self.fused_experts))
         self.carried = {k: v for k, v in hf_state.items() if k not in built}
         self._load_full(full)
+        hf_config = hf.config
         del hf, hf_state
         self.model.train()
         dtype = compute_dtype(cfg, self.device, self.pp)
@@ -111,6 +113,9 @@ class MegatronTrainer:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg, total_steps))
+        # the draft: section: a speculative-decoding draft head beside the policy, with its own
+        # optimizer, trained after each update (draft.py)
+        self.draft = draft_.training(draft, self, hf_config, algorithm)
 
     def _build(self, head: bool = True, tied: bool | None = None,
                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -315,6 +320,8 @@ class MegatronTrainer:
     def train_step(self, batch: Batch, loss_fn: Any) -> dict[str, float]:
         t0 = time.perf_counter()
         out = self._train_step(batch, loss_fn)  # its metrics are floats: the device is done
+        if self.draft is not None:
+            out.update(self.draft.step(self, batch))
         return {**out, **self.throughput.metrics(seq_lens(batch), time.perf_counter() - t0)}
 
     def _train_step(self, batch: Batch, loss_fn: Any) -> dict[str, float]:
@@ -430,10 +437,12 @@ class MegatronTrainer:
         for full in self.full_groups():
             yield from convert.full_to_hf(full, self.arch, self.fused_experts).items()
         yield from self.carried.items()
+        if self.draft is not None:  # every rank holds the whole head
+            yield from self.draft.named()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors in HF names (the same on every rank); each rank keeps its shards."""
-        named = dict(named_tensors)
+        named = draft_.split_named(named_tensors, self.draft)
         unknown = sorted(set(named) - set(self.hf_names))
         if unknown:
             raise MilesError(f"load_weights: {unknown[0]!r} is not a weight of this model (expected "
