@@ -29,6 +29,7 @@ CONFIGS = {
                    "num_experts": 4, "num_experts_per_tok": 2, "layer_types": ["linear_attention", "full_attention"],
                    "mtp_num_hidden_layers": 1, "max_position_embeddings": 32},
 }
+CONFIGS["qwen3_5_moe_text"] = {**CONFIGS["qwen3_next"], "model_type": "qwen3_5_moe_text"}
 MTP = "model.layers.2."  # num_hidden_layers: the checkpoint's own name of the first MTP layer
 # each family's checkpoint names: the MTP module's prefix, its input projection and some of its tensors
 NAMES = {
@@ -40,6 +41,7 @@ NAMES = {
                                          "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate.weight",
                                          "layers.0.mlp.shared_expert_gate.weight")),
 }
+NAMES["qwen3_5_moe_text"] = NAMES["qwen3_next"]
 
 
 def spec(**kw):

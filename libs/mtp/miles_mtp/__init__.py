@@ -1,19 +1,25 @@
 """Multi-token-prediction (MTP) layers kept beside a Hugging Face causal LM.
 
-DeepSeek-V3 and GLM-4.5 checkpoints store ``num_nextn_predict_layers`` extra layers after the
-decoder's, as ``model.layers.<num_hidden_layers + k>.*``: a decoder layer of the family plus its own
-embedding (``embed_tokens``), RMSNorms of the embedding and the hidden state (``enorm``, ``hnorm``),
-their projection (``eh_proj``) and an output head (``shared_head.norm``, ``shared_head.head``).
-transformers ignores those names when loading (its decoder runs ``layers[:num_hidden_layers]``).
+Two checkpoint layouts, which transformers ignores when loading:
 
-``attach_nextn`` appends them to the model's layer list, so their parameters carry the
-checkpoint's own names through every ``state_dict``: trainer checkpoints, weight sync to engines
-and export keep them (no forward of the model reaches them: ``mtp_loss`` trains them, in the
-fsdp2 trainer with a top-level ``draft: {train: true}`` section).
-``load_missing`` reads them from the checkpoint folder's safetensors. A layer's ``predict`` is the
-draft step speculative decoding builds on: from the main model's last hidden states ``h_i`` and
-the tokens ``t_{i+1}`` it returns the next hidden states and the logits of tokens ``t_{i+2}``;
-``step`` does the same over a KV cache of the entries before (the torch engine's ``mtp`` draft).
+- DeepSeek-V3 and GLM-4.5 store ``num_nextn_predict_layers`` extra layers after the decoder's, as
+  ``model.layers.<num_hidden_layers + k>.*``: a decoder layer of the family plus its own embedding
+  (``embed_tokens``), RMSNorms of the embedding and the hidden state (``enorm``, ``hnorm``), their
+  projection (``eh_proj``) and an output head (``shared_head.norm``, ``shared_head.head``).
+  ``attach_nextn`` appends them to the model's layer list (``nextn_layer``).
+- Qwen3-Next and Qwen3.5 store ``mtp_num_hidden_layers`` full-attention decoder layers in one
+  ``mtp`` module: ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.fc``,
+  ``mtp.layers.<k>.*`` and ``mtp.norm``, sharing the model's embedding and LM head.
+  ``attach_block`` sets it as the model's ``mtp`` (``MTPBlock``).
+
+Either way their parameters carry the checkpoint's own names through every ``state_dict``: trainer
+checkpoints, weight sync to engines and export keep them (no forward of the model reaches them:
+``mtp_loss`` trains them, in the fsdp2 trainer with a top-level ``draft: {train: true}`` section).
+``load_missing`` reads them from the checkpoint folder's safetensors. A layer's ``predict``
+(``Predicts``, both layouts) is the draft step speculative decoding builds on: from the main
+model's last hidden states ``h_i`` and the tokens ``t_{i+1}`` it returns the next hidden states and
+the logits of tokens ``t_{i+2}``; ``step`` does the same over a KV cache of the entries before (the
+torch engine's ``mtp`` draft).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ class MTPTraining:
         layers = mtp_layers(model)
         if not layers:
             raise ValueError("the model carries no MTP layers")
-        # the engine drafts with the first layer, as DeepSeek-V3 and GLM-4.5 carry one: it alone learns
+        # the engine drafts with the first layer (the checkpoints carry one): it alone learns
         self.layer = layers[0]
         self.params = list(self.layer.parameters())
         self.active = cfg.train or supervised

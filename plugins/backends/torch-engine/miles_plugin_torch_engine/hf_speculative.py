@@ -171,8 +171,8 @@ def setup_mtp(cfg: Any, model: torch.nn.Module, spec: Any, cache_kw: str) -> MTP
 
     if not isinstance(spec, KnowsArchitecture):
         raise ConfigError([f"{_KEY}: mtp drafts with the model's multi-token-prediction layers, which this "
-                           f"model spec does not attach (model.name: hf and miles serve's folders do, for deepseek_v3 and "
-                           f"glm4_moe); use draft: head or model"])
+                           f"model spec does not attach (model.name: hf and miles serve's folders do, for "
+                           f"deepseek_v3 and glm4_moe); use draft: head or model"])
     if not isinstance(spec.architecture(), CarriesMTP):
         name = getattr(model.config, "model_type", type(model).__name__)
         raise ConfigError([f"{_KEY}: mtp drafts with the model's multi-token-prediction layers, and {name} "
