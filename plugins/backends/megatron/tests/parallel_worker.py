@@ -3,6 +3,7 @@ through torch.distributed.run, with the TEST-ONLY CPU shim: Qwen2 at tensor_para
 critic), Qwen3-MoE at expert_parallel=2 (so data-parallel 2), then Qwen2 at pipeline_parallel=2
 and at pipeline_parallel=2 with 2 virtual stages per rank (4 layers; both with a critic), and
 Qwen3-MoE with routing replay at pipeline_parallel=2 and at expert_parallel=2.
+Qwen2 at TP=2 and Qwen3-MoE at EP=2 x DP=2 also train a draft head for one step.
 Writes what it measured to ``OUT/{tag}_rank{R}.pt`` and a checkpoint after one training step to
 ``OUT/ckpt_{tag}``; at TP=2 it also resumes ``OUT/ckpt_tp1``, written on one rank."""
 import sys
@@ -17,6 +18,7 @@ from helpers import Spec, batch, hf_logprobs  # noqa: E402
 
 
 # tag: tensor, expert, pipeline, virtual pipeline sizes
+DRAFT = {"qwen2": {"lr": 1e-2}, "qwen3_moe": {"lr": 1e-2}}  # cases that also train a draft head
 CASES = {"qwen2": (2, 1, 1, 1), "qwen3_moe": (1, 2, 1, 1), "qwen2_pp2": (1, 1, 2, 1), "qwen2_vpp2": (1, 1, 2, 2)}
 LAYERS = {"qwen2_vpp2": 4}  # two virtual stages per rank: 4 chunks of one layer
 
@@ -88,6 +90,10 @@ def run(out: str, tag: str, tp: int, ep: int, pp: int, vp: int, device: str = "c
         res["values"] = critic_step(tr, b)
         res["values_after"] = tr.values(b)
     tr.save(f"{out}/ckpt_{tag}")
+    if tag in DRAFT:  # the draft head: TP ranks train replicas on the same data, DP ranks sum its gradients
+        d = drafting(cfg, tag)
+        res["draft"] = d.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))["draft_loss"]
+        res["draft_head"] = {k: v.clone() for k, v in d.draft.head.state_dict().items()}
     if tag == "qwen2" and Path(f"{out}/ckpt_tp1").exists():  # a checkpoint written on one rank, at TP=2
         again = make(cfg, tag, seed=3)
         again.load(f"{out}/ckpt_tp1")
@@ -95,14 +101,25 @@ def run(out: str, tag: str, tp: int, ep: int, pp: int, vp: int, device: str = "c
     torch.save(res, f"{out}/{tag}_rank{tr.rank}.pt")
 
 
-def make(cfg, tag: str, seed: int = 0, critic: bool = False):
-    """A trainer of a case's model as a run makes it (with a critic: as for an algorithm that needs one)."""
+def make(cfg, tag: str, seed: int = 0, critic: bool = False, draft: dict | None = None):
+    """A trainer of a case's model as a run makes it (with a critic: as for an algorithm that needs
+    one; ``draft``: a draft: section)."""
     from types import SimpleNamespace
 
     from miles_plugin_megatron import _make
 
-    algo = SimpleNamespace(needs_critic=critic, critic_lr=1e-2, value_loss=value_mse)
-    return _make(cfg, spec=spec(tag), tokenizer=None, seed=seed, total_steps=10, algorithm=algo)
+    algo = SimpleNamespace(needs_critic=critic, critic_lr=1e-2, value_loss=value_mse, uses_rollout=True)
+    return _make(cfg, spec=spec(tag), tokenizer=None, seed=seed, total_steps=10, algorithm=algo, draft=draft)
+
+
+def drafting(cfg, tag: str):
+    """A trainer of a case's model with a draft head moved off its start (which guesses a random
+    policy's flat distributions almost exactly), the same on every rank."""
+    tr = make(cfg, tag, draft=DRAFT[tag])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        tr.draft.head.fc.weight.add_(0.3 * torch.randn(tr.draft.head.fc.weight.shape, generator=g))
+    return tr
 
 
 def critic_step(tr, b) -> torch.Tensor:

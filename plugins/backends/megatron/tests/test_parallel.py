@@ -3,7 +3,8 @@ expert_parallel=2 with data-parallel 2 (Qwen3-MoE), pipeline_parallel=2 (Qwen2, 
 pipeline_parallel=2 with two virtual stages per rank (4-layer Qwen2, with the critic) and routing
 replay at pipeline_parallel=2 and at expert_parallel=2 (Qwen3-MoE). Each builds the model from the
 same HF weights, exports them bit-exactly, computes the HF log-probs, takes the same optimizer step
-as one rank does, and writes a checkpoint that resumes on one rank."""
+as one rank does, and writes a checkpoint that resumes on one rank; at TP=2 and at EP=2 x DP=2 a
+draft head trains to the same replica on both ranks, with one rank's loss."""
 import os
 import subprocess
 import sys
@@ -88,6 +89,15 @@ def against_one_rank(out: Path, tag: str, device: str = "cpu") -> list[dict]:
         assert (resumed.logprobs(b) - one.logprobs(b)).abs().max() < 1e-4
         if critic:
             assert (resumed.values(b) - ranks[0]["values_after"]).abs().max() < 1e-4
+        if "draft_head" in ranks[0]:  # the draft head: the same replica on every rank, the loss of one rank
+            from parallel_worker import drafting
+
+            for k, v in ranks[0]["draft_head"].items():
+                assert torch.equal(ranks[1]["draft_head"][k], v), k
+            assert ranks[0]["draft"] == ranks[1]["draft"]
+            d = drafting(cfg, tag)
+            m = d.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+            assert abs(m["draft_loss"] - ranks[0]["draft"]) < 1e-5 and m["draft_loss"] > 1e-2
     finally:
         from miles_plugin_megatron import parallel
 
