@@ -178,6 +178,18 @@ def test_caches_that_cannot_roll_back_are_refused():
     assert "DynamicSlidingWindowLayer" in _rollback_problem(SimpleNamespace(config=sliding))
     mla = AutoConfig.for_model("deepseek_v3", vocab_size=8, **CONFIGS["deepseek_v3"])
     assert _rollback_problem(SimpleNamespace(config=mla)) is None
+    # Qwen3-Next carries an MTP module, and the engine refuses to draft with it
+    from transformers import AutoModelForCausalLM
+
+    arch = make_plugin_manager().create("architectures", "qwen3_next", None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen3_next", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        mtp_num_hidden_layers=1, **small))
+    assert len(arch.attach_mtp(model, None)) == 1
+    with pytest.raises(ConfigError, match="engine.speculative.draft: mtp: .*LinearAttentionLayer"):
+        _engine(_Spec(model, arch), MTP)
 
 
 def test_miles_serve_drafts_with_the_mtp_layer_of_its_folder(tmp_path):
