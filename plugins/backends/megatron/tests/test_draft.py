@@ -48,12 +48,25 @@ def test_head_learns_and_the_policy_update_is_unchanged(megatron_cpu):
     assert all(p.grad is None for p in tr.model.parameters())  # the head's loss reached no policy weight
 
 
+def torch_engine():
+    """The torch engine drafting with a head (from the plugin manager: a plugin's test imports no
+    other plugin)."""
+    from types import SimpleNamespace
+
+    from miles.plugins import make_plugin_manager
+
+    pm = make_plugin_manager()
+    cfg = pm.registry("engines")["torch"].config.model_validate({"speculative": {"draft": "head", "tokens": 2}})
+    tok = SimpleNamespace(eos_token_id=None, pad_token_id=0)
+    return pm.create("engines", "torch", cfg, spec=Spec("qwen2", **SHARP), tokenizer=tok, seed=1)
+
+
 def test_engine_receives_the_head_and_the_loss_is_the_hf_models(megatron_cpu):
-    """The weights a sync sends load strictly into a Hugging Face model with the engine's head
-    attached (``miles_draft.head.attach``, as the torch engine's drafter does), and the head's
-    loss there (the fsdp2 path) is the one the megatron trainer computes."""
+    """The weights a sync sends reach the torch engine's drafting head and load strictly into a
+    Hugging Face model with the head attached, where the head's loss (the fsdp2 path) is the one
+    the megatron trainer computes."""
     from miles_draft.config import DraftConfig
-    from miles_draft.head import attach
+    from miles_draft.head import attach, head_of
     from miles_draft.train import DraftTraining
 
     tr = make(HEAD)
@@ -63,6 +76,10 @@ def test_engine_receives_the_head_and_the_loss_is_the_hf_models(megatron_cpu):
     head = {k: v for k, v in named.items() if k.startswith("draft_head.")}
     assert head and all(torch.equal(v, tr.draft.head.state_dict()[k[len("draft_head."):]]) for k, v in head.items())
     assert not any(k.startswith("draft_head.") for k, _ in tr.model_weights())
+    engine = torch_engine()  # the engine drafting with a head receives the head's weights with the policy's
+    engine.load_weights(tr.named_weights(), version=1)
+    theirs = head_of(engine.model).state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in tr.draft.head.state_dict().items())
     hf = Spec("qwen2", **SHARP).build_model(None)
     attach(hf)
     hf.load_state_dict(named, strict=True)
