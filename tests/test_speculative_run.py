@@ -73,3 +73,17 @@ def test_draft_section_needs_a_head_in_the_engine(tmp_path, capsys):
                "draft.unknown=1"])
     err = capsys.readouterr().err
     assert rc == 2 and "engine.speculative: {draft: head}" in err and "draft.unknown" in err
+
+
+def test_a_model_declaring_mtp_layers_trains_them_without_the_engine_drafting():
+    """Qwen3-Next's MTP layers train online though its engine cannot draft with them (the DeltaNet
+    state cannot roll back); megatron trains heads only and says so."""
+    from miles import MilesError
+    from miles.cli import load
+
+    mtp = ["draft.train=true", "model.config.mtp_num_hidden_layers=1"]
+    load(str(ROOT / "tests/tiny.yaml"), mtp, [])
+    with pytest.raises(MilesError, match="engine.speculative: {draft: head}"):
+        load(str(ROOT / "tests/tiny.yaml"), ["draft.train=true"], [])
+    with pytest.raises(MilesError, match="trainer megatron trains the head draft online.*unset"):
+        load(str(ROOT / "tests/tiny.yaml"), [*mtp, "trainer.name=megatron"], [])

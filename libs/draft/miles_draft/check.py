@@ -16,6 +16,29 @@ def speculative(config: Any) -> dict:
     return spec if isinstance(spec, dict) else {}
 
 
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")  # DeepSeek/GLM, Qwen3-Next/3.5
+
+
+def declares_mtp(config: Any) -> bool:
+    """Whether the run's model declares multi-token-prediction layers: in its inline
+    ``model.config`` (also under ``model.base``, as the moe spec wraps one) or in the
+    ``config.json`` of its local ``model.path`` folder."""
+    import json
+    from pathlib import Path
+
+    model = config.raw.get("model") if isinstance(config.raw.get("model"), dict) else {}
+    for m in (model, model.get("base") if isinstance(model.get("base"), dict) else {}):
+        hf = m.get("config")
+        if not isinstance(hf, dict) and isinstance(m.get("path"), str):
+            try:
+                hf = json.loads((Path(m["path"]) / "config.json").read_text())
+            except (OSError, ValueError):
+                hf = None
+        if isinstance(hf, dict) and any(isinstance(hf.get(k), int) and hf[k] > 0 for k in MTP_KEYS):
+            return True
+    return False
+
+
 def problems(config: Any, raw: Any, me: str) -> list[str]:
     """What is wrong with the ``draft:`` section ``raw``, if the trainer plugin ``me`` is the one
     to tell (else nothing, so that no problem is reported twice)."""
@@ -33,8 +56,13 @@ def problems(config: Any, raw: Any, me: str) -> list[str]:
     if trainer not in TRAINERS:
         out.append(f"draft: the draft is trained by trainer {' or '.join(TRAINERS)} (trainer.name is "
                    f"{trainer!r}); remove the draft: section or use one of those trainers")
-    if config.name("engine") != "torch" or speculative(config).get("draft") not in ("head", "mtp"):
+    drafts = speculative(config).get("draft")
+    # a model's MTP layers may train without the engine drafting (e.g. Qwen3-Next, whose DeltaNet
+    # state cannot roll back): they are the model's own weights, synced and exported with it
+    mtp_only = not drafts and declares_mtp(config)
+    if not mtp_only and (config.name("engine") != "torch" or drafts not in ("head", "mtp")):
         out.append("draft: trains a draft head (or a model's MTP layers) that weight syncs send to the engine, "
                    "which needs to draft with it: set engine.speculative: {draft: head} (or {draft: mtp} for a "
-                   "model with MTP layers; engine.name: torch)")
+                   "model with MTP layers; engine.name: torch); a model whose config declares MTP layers may "
+                   "train them without it")
     return out

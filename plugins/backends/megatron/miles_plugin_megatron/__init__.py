@@ -42,14 +42,15 @@ def _draft_problems(config) -> list[str]:
     raw = config.raw.get("draft")
     if raw is None:
         return []
-    from miles_draft.check import problems, speculative
+    from miles_draft.check import declares_mtp, problems, speculative
 
     out = problems(config, raw, "megatron")
     if config.name("trainer") != "megatron":
         return out
-    if speculative(config).get("draft") == "mtp":
+    drafts = speculative(config).get("draft")
+    if drafts == "mtp" or (not drafts and declares_mtp(config)):
         out.append("draft: trainer megatron trains the head draft online, not a model's MTP layers "
-                   "(engine.speculative.draft is 'mtp'); use engine.speculative: {draft: head}, "
+                   f"(engine.speculative.draft is {drafts or 'unset'}); use engine.speculative: {{draft: head}}, "
                    "trainer.name: fsdp2, or remove the draft: section")
     if config.settings("trainer").pipeline_parallel > 1:
         out.append("draft.train: trainer megatron trains the draft head without pipeline stages (only the last "
