@@ -51,7 +51,7 @@ def run_kind(kind: str, args) -> list[dict]:
            *([f"run.steps={args.steps}"] if args.steps else []), f"engine.speculative.max_batch={args.max_batch}",
            "loggers=[]", *KINDS[kind], *(QUICK if args.quick else []),
            *([f"run.threads={args.threads}"] if args.threads else []),
-           *([f"draft.lr={args.draft_lr}"] if args.draft_lr and kind != "none" else []),
+           *([f"draft.lr={args.draft_lr}"] if args.draft_lr and kind != "none" else []), *args.set,
            *([f"run.warm_start.max_steps={args.warm_start}", f"run.warm_start.min_steps={args.warm_start}"]
              if args.warm_start else [])]
     if kind == "none":
@@ -221,6 +221,8 @@ def main() -> None:
     ap.add_argument("--warm-start", type=int, default=None, help="warm-start steps (default: the recipe's)")
     ap.add_argument("--threads", type=int, default=None, help="run.threads of each arm (default: the recipe's)")
     ap.add_argument("--draft-lr", type=float, default=None, help="draft.lr, the head's (warm start and online)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides for every arm "
+                    "(e.g. env.teacher_tool_rate=0.1)")
     ap.add_argument("--max-batch", default="4096", help="engine.speculative.max_batch of the drafted runs")
     ap.add_argument("--decode", action="store_true", help="the engine's decode speed-up per batch size")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
