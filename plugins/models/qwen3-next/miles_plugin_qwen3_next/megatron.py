@@ -150,8 +150,12 @@ class GatedDeltaNet(MegatronModule):
         """megatron-core's ``GatedDeltaNet`` checkpoint layout: ``dt_bias``, ``A_log`` and ``conv1d``
         split across TP ranks, ``in_proj`` and ``conv1d`` stored part by part (query, key, value,
         ...), so a checkpoint written at one TP size loads at another."""
-        from megatron.core.ssm.gated_delta_net import _split_tensor_factory
         from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+        try:  # megatron-core 0.19 keeps it with the other SSM helpers, 0.16 beside its GatedDeltaNet
+            from megatron.core.ssm.utils import _split_tensor_factory
+        except ImportError:
+            from megatron.core.ssm.gated_delta_net import _split_tensor_factory
 
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata, **kwargs)
         for name in ("dt_bias", "A_log", "conv1d.weight"):  # the default treats own parameters as replicas
