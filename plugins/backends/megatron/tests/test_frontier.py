@@ -60,6 +60,17 @@ def test_a_family_without_megatron_description_is_refused():
         A.arch_of(AutoConfig.for_model("qwen3_next"), None)
 
 
+def test_deepseek_v4_hyper_connections_are_refused_naming_hc_mult():
+    from miles.protocols import BuildsMegatron
+    from miles_plugin_deepseek.arch import DeepseekV4
+    from transformers import AutoConfig
+
+    v4 = DeepseekV4()
+    assert isinstance(v4, BuildsMegatron)  # refused by its plugin, not as an unknown family
+    with pytest.raises(MilesError, match=r"model.config.hc_mult \(2\).*use trainer.name: fsdp2"):
+        A.arch_of(AutoConfig.for_model("deepseek_v4", hc_mult=2), v4)
+
+
 def test_routing_megatron_core_cannot_compute_is_refused():
     with pytest.raises(MilesError, match="num_experts_per_tok .4. must be 2 x topk_group"):
         A.arch_of(hf_model("deepseek_v3", num_experts_per_tok=4).config, architecture("deepseek_v3"))

@@ -77,6 +77,19 @@ class DeepseekV3:
 class DeepseekV4:
     padded_batches = False
 
+    def megatron_arch(self, hf: Any) -> dict[str, Any]:
+        """Refused: the residual is ``hc_mult`` streams, which megatron-core's layers do not carry."""
+        from miles import MilesError
+
+        # Every layer takes and returns [B, S, hc_mult, hidden] mixed by Sinkhorn-projected weights
+        # (attn_hc, ffn_hc) and the model collapses the streams (hc_head) before its final norm;
+        # megatron-core's TransformerLayer adds one [S, B, hidden] residual, so no Arch field or
+        # core-attention swap reproduces it, whatever the attention and router modules compute.
+        raise MilesError(f"trainer megatron: model.config.hc_mult ({getattr(hf, 'hc_mult', None)}): DeepSeek-V4's "
+                         "manifold-constrained hyper-connections (hc_mult residual streams mixed around every "
+                         "attention and MoE block, collapsed by hc_head before the final norm) are not built "
+                         "from megatron-core's layers; use trainer.name: fsdp2 for deepseek_v4")
+
     def check_config(self, config: dict[str, Any]) -> list[str]:
         layers = config.get("num_hidden_layers", 43)
         problems = [f"model.config.{key} has {len(config[key])} entries; num_hidden_layers is {layers}"
