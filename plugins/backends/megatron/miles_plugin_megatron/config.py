@@ -31,11 +31,21 @@ class MegatronConfig(BaseModel):
     micro_batch_size: int | None = Field(None, gt=0, description="rows per forward/backward on each "
                                          "data-parallel rank (gradient accumulation); null = a rank's "
                                          "whole share at once")
-    precision: Literal["bf16", "fp32"] = Field("bf16", description="bf16: bf16 compute over fp32 "
-                                               "master weights, gradient sums and optimizer state "
-                                               "(on CUDA a bf16 copy of the model runs forward and "
-                                               "backward; with pipeline stages, autocast); fp32: "
-                                               "full precision")
+    precision: Literal["bf16", "fp32", "fp8", "mxfp8"] = Field(
+        "bf16", description="bf16: bf16 compute over fp32 master weights, gradient sums and optimizer "
+        "state (on CUDA a bf16 copy of the model runs forward and backward; with pipeline stages, "
+        "autocast); fp32: full precision; fp8: as bf16, with the linear layers' GEMMs (not the output "
+        "head) in blockwise e4m3, forward and both backward GEMMs (1x128 activations, 128x128 weights; "
+        "torch._scaled_mm on CUDA, emulated with the same rounding on CPU; experts: weights rounded); "
+        "mxfp8: e4m3 in 32-element blocks with power-of-two E8M0 scales (emulated). The engines get the "
+        "rounded weights (engine.weights_dtype must match)")
+    qat: Literal["int4"] | None = Field(
+        None, description="int4: quantization-aware training for INT4 rollout (engine.weights_dtype: "
+        "int4): the linear layers' weights (not the output head) are rounded to symmetric INT4 with a "
+        "scale per 128 in the forward (straight-through gradient) and the engines get them packed")
+    qat_scope: Literal["all", "experts"] = Field(
+        "all", description="with qat: all linear layers but the output head, or only the MoE experts' "
+        "(must match engine.quant_scope)")
     compile: bool = Field(False, description="on CUDA, torch.compile each decoder layer of the "
                           "model that runs forward and backward: its norms, rotary embedding and "
                           "residual adds become fused kernels (the first steps take longer while "

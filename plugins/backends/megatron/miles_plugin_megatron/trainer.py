@@ -27,6 +27,7 @@ from . import arch as arch_
 from . import compute as compute_
 from . import convert
 from . import draft as draft_
+from . import lowp as lowp_
 from . import parallel as par
 from . import pipeline
 from . import replay as replay_
@@ -67,6 +68,7 @@ class MegatronTrainer(draft_.ExportsHead):
         self.throughput = for_device(hf.config, self.world_size, self.device, cfg.precision,
                                      cfg.peak_tflops)  # mfu, tokens/GPU/s
         par.check_layout(cfg, self.arch, self.world_size)
+        lowp_.check_arch(cfg, self.arch)
         self.tp, self.ep, self.pp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel
         self.vp = cfg.virtual_pipeline_parallel
         par.init(self.device, self.world_size, self.tp, self.pp, self.ep, self.vp)
@@ -84,6 +86,9 @@ class MegatronTrainer(draft_.ExportsHead):
         hf_state = hf.state_dict()
         self.hf_names = list(hf_state)
         self.fused_experts = any(k.endswith("experts.gate_up_proj") for k in hf_state)
+        # trainer.precision fp8 / mxfp8, trainer.qat: HF names of the weights the forward rounds,
+        # sent packed (miles.protocols.SendsPacked); _build makes the linears compute so
+        self.packed_formats = lowp_.formats(hf, cfg)
         # R3: the spec records routing, so the MoE routers replay the rollout's experts
         self.replay = replay_.table_for(spec, hf, self.arch)
         # the architecture inserts modules megatron-core lacks, then the spec edits, then R3's router
@@ -129,13 +134,16 @@ class MegatronTrainer(draft_.ExportsHead):
             # gloo (CPU) has no batched send/recv between pipeline stages
             cfg.batch_p2p_comm = self.device.type == "cuda"
             if self.vp == 1:
-                return arch_.build_gpt(self.arch, cfg, tp=self.tp, edit=self.edit, pre_process=self.stage == 0,
-                                       post_process=head and self.last_stage, tied=tied).to(self.device)
-            return pipeline.Chunks([arch_.build_gpt(
-                self.arch, cfg, tp=self.tp, edit=self.edit, tied=tied, vp_stage=c,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c),
-                post_process=head and ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c))
-                for c in range(self.vp)]).to(self.device)
+                model = arch_.build_gpt(self.arch, cfg, tp=self.tp, edit=self.edit, pre_process=self.stage == 0,
+                                        post_process=head and self.last_stage, tied=tied).to(self.device)
+            else:
+                model = pipeline.Chunks([arch_.build_gpt(
+                    self.arch, cfg, tp=self.tp, edit=self.edit, tied=tied, vp_stage=c,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c),
+                    post_process=head and ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c))
+                    for c in range(self.vp)]).to(self.device)
+        lowp_.apply(model, self.cfg, self.arch, self.tp)
+        return model
 
     def _load_full(self, full: dict[str, torch.Tensor], model: torch.nn.Module | None = None) -> None:
         """Full Megatron tensors -> this rank's shards, into ``model`` (default: the policy)."""
@@ -177,7 +185,7 @@ class MegatronTrainer(draft_.ExportsHead):
     def _autocast(self, model: torch.nn.Module) -> Any:
         """bf16 autocast for a model with fp32 weights (a bf16 model needs none)."""
         fp32 = next(model.parameters()).dtype == torch.float32
-        if self.cfg.precision == "bf16" and self.device.type == "cuda" and fp32:
+        if self.cfg.precision != "fp32" and self.device.type == "cuda" and fp32:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -440,6 +448,19 @@ class MegatronTrainer(draft_.ExportsHead):
         if self.draft is not None:  # every rank holds the whole head
             yield from self.draft.named()
 
+    def packed_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named_weights()`` with each weight the forward rounds replaced by the packed tensors and
+        scales the engines serve (``miles.protocols.SendsPacked``)."""
+        from miles_lowp.linear import packed_weights
+
+        return packed_weights(self.named_weights(), self.packed_formats)
+
+    def served_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named`` with the weights the forward rounds rounded the same way (``miles export``)."""
+        from miles_lowp.linear import served_weights
+
+        return served_weights(named, self.packed_formats)
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors in HF names (the same on every rank); each rank keeps its shards."""
         named = draft_.split_named(named_tensors, self.draft)
@@ -469,7 +490,7 @@ class MegatronTrainer(draft_.ExportsHead):
 def compute_dtype(cfg: MegatronConfig, device: torch.device, pp: int) -> torch.dtype | None:
     """The dtype of the policy's compute copy (None: the fp32 policy runs itself): bf16 on
     CUDA, except with pipeline stages, which send fp32 activations and keep autocast."""
-    if cfg.precision == "bf16" and device.type == "cuda" and pp == 1:
+    if cfg.precision != "fp32" and device.type == "cuda" and pp == 1:
         return torch.bfloat16
     return None
 
