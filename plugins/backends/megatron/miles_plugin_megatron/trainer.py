@@ -355,6 +355,10 @@ class MegatronTrainer(draft_.ExportsHead):
         dense = [p for n, p in named if "local_experts" not in n]
         experts = [p for n, p in named if "local_experts" in n]
         par.all_reduce_grads(dense, self.ps.get_data_parallel_group())
+        if self.tp > 1 and not self.arch.kv_lora_rank:  # per-head q/k norms (not MLA's latent ones)
+            # see only this rank's heads: each holds a partial sum
+            par.all_reduce_grads([p for n, p in named if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))],
+                                 self.ps.get_tensor_model_parallel_group())
         if experts:
             par.all_reduce_grads(experts, self.ps.get_expert_data_parallel_group())
 

@@ -38,6 +38,37 @@ def main(out: str, device: str = "cpu", only: str | None = None) -> None:
     for tag, sizes in R3_CASES.items():
         if only in (None, tag):
             run_r3(out, tag, *sizes, device=device)
+    if only in (None, "lowp_tp2"):
+        run_lowp(out, device=device)
+
+
+def run_lowp(out: str, device: str = "cpu") -> None:
+    """Qwen3 (head_dim 16: every shard splits on 32-element MX blocks) with trainer.precision mxfp8 at
+    tensor_parallel=2: log-probs against the HF model with libs/lowp's rounding, before and after a
+    step; fp8 at TP=2 (64-row shards of 128-row blocks) is refused."""
+    from miles import MilesError
+    from miles_lowp.linear import convert
+    from miles_plugin_megatron.config import MegatronConfig
+
+    cfg = MegatronConfig(device=device, precision="mxfp8", tensor_parallel=2, lr=1e-3, grad_clip=None)
+    tr = make(cfg, "qwen3")
+    b = batch(rows=5)
+    hf = spec("qwen3").build_model(None).eval()
+    convert(hf, "mxfp8")
+    res = {}
+    for when in ("before", "after"):
+        hf.load_state_dict({k: v.cpu() for k, v in tr.named_weights()})
+        plain = spec("qwen3").build_model(None).eval()
+        plain.load_state_dict(hf.state_dict())
+        res[when] = (tr.logprobs(b), hf_logprobs(hf, b), hf_logprobs(plain, b), b.loss_mask)
+        if when == "before":
+            res["loss"] = [tr.train_step(b, lambda mb, lp: (-mb.token_mean(lp), {}))["loss"] for _ in range(2)]
+    try:
+        make(MegatronConfig(device=device, precision="fp8", tensor_parallel=2), "qwen3")
+        res["fp8_refused"] = ""
+    except MilesError as e:
+        res["fp8_refused"] = str(e)
+    torch.save(res, f"{out}/lowp_tp2_rank{tr.rank}.pt")
 
 
 R3_CASES = {"r3_pp2": (2, 1), "r3_ep2": (1, 2)}  # tag: pipeline, expert parallel sizes

@@ -115,6 +115,20 @@ def test_tensor_parallel_2(two_ranks):
 
 
 @pytest.mark.slow
+def test_mxfp8_tensor_parallel_2(two_ranks):
+    """trainer.precision mxfp8 at TP=2: each shard's 32-element blocks are the whole weight's, so
+    the log-probs equal the HF model's with libs/lowp's rounding; fp8's 128-row blocks would be cut."""
+    for r in range(2):
+        res = torch.load(two_ranks / f"lowp_tp2_rank{r}.pt", weights_only=False)
+        for when in ("before", "after"):
+            got, want, plain, mask = res[when]
+            assert ((got - want) * mask).abs().max() < 2e-5, when
+            assert ((got - plain) * mask).abs().max() > 1e-3, when
+        assert res["loss"][1] < res["loss"][0]
+        assert "trainer.precision: fp8 with trainer.tensor_parallel: 2" in res["fp8_refused"]
+
+
+@pytest.mark.slow
 def test_expert_parallel_2_data_parallel_2(two_ranks):
     ranks = against_one_rank(two_ranks, "qwen3_moe")
     experts = [n for n in ranks[0]["local_names"]
