@@ -49,9 +49,24 @@ def test_logprobs_equal_hf_with_lowp_rounding_and_training_lowers_loss(megatron_
     assert ((tr.logprobs(b) - hf_logprobs(low, b)) * m).abs().max() < 2e-5
 
 
-def test_config_refusals(megatron_cpu):
+def test_config_pairs_and_refusals(megatron_cpu):
+    from miles.protocols import TrainsInPrecision
+    from miles_lowp.pairs import pair_problem
+
+    cfg = MegatronConfig(precision="fp8")
+    assert isinstance(cfg, TrainsInPrecision)  # the engines check their weights_dtype against it
+    assert pair_problem(cfg.precision, cfg.qat, "fp8") is None
+    assert "not a supported pair" in pair_problem(cfg.precision, cfg.qat, "int4")
+    assert pair_problem("bf16", MegatronConfig(qat="int4").qat, "int4") is None
     with pytest.raises(MilesError, match="trainer.qat"):
         make("llama", precision="fp8", qat="int4")
+    with pytest.raises(MilesError, match="trainer.precision: mxfp8 .*multi-latent"):
+        from types import SimpleNamespace
+
+        from miles_plugin_megatron.lowp import check_arch
+        check_arch(cfg.model_copy(update={"precision": "mxfp8"}),
+                   SimpleNamespace(kv_lora_rank=512, attention_gate=False, linear_layers=(), shared_gate=False,
+                                   glu_alpha=None, linear_bias=False))
     from miles_plugin_megatron.lowp import check_shards
 
     w = torch.zeros(64, 32)
