@@ -20,11 +20,13 @@ def sft(mb, lp):
 
 
 @pytest.mark.parametrize("family,over", [("llama", {"precision": "fp8"}), ("qwen3_moe", {"precision": "fp8"}),
-                                         ("qwen2", {"precision": "mxfp8"}), ("qwen3_moe", {"qat": "int4"})])
+                                         ("qwen2", {"precision": "mxfp8"}), ("qwen3_moe", {"qat": "int4"}),
+                                         ("qwen3_moe", {"qat": "int4", "qat_scope": "experts"})])
 def test_logprobs_equal_hf_with_lowp_rounding_and_training_lowers_loss(megatron_cpu, family, over):
     from miles_lowp.linear import convert
 
-    tr = make(family, precision=over.get("precision", "fp32"), qat=over.get("qat"))
+    over = {"precision": "fp32", **over}
+    tr = make(family, **over)
     b = batch()
     named = dict(tr.named_weights())
     full = Spec(family).build_model(None).eval()
@@ -32,7 +34,9 @@ def test_logprobs_equal_hf_with_lowp_rounding_and_training_lowers_loss(megatron_
     low = Spec(family).build_model(None).eval()
     low.load_state_dict(named)
     fmt = over.get("qat") or over["precision"]
-    assert convert(low, over.get("precision", "bf16"), over.get("qat")) == tr.packed_formats
+    assert convert(low, over["precision"], over.get("qat"), over.get("qat_scope", "all")) == tr.packed_formats
+    if over.get("qat_scope") == "experts":
+        assert tr.packed_formats and all(".experts." in k for k in tr.packed_formats)
     got, want, plain = tr.logprobs(b), hf_logprobs(low, b), hf_logprobs(full, b)
     m = b.loss_mask
     assert ((got - want) * m).abs().max() < 2e-5
