@@ -86,9 +86,6 @@ class MegatronTrainer(draft_.ExportsHead):
         hf_state = hf.state_dict()
         self.hf_names = list(hf_state)
         self.fused_experts = any(k.endswith("experts.gate_up_proj") for k in hf_state)
-        # trainer.precision fp8 / mxfp8, trainer.qat: HF names of the weights the forward rounds,
-        # sent packed (miles.protocols.SendsPacked); _build makes the linears compute so
-        self.packed_formats = lowp_.formats(hf, cfg)
         # R3: the spec records routing, so the MoE routers replay the rollout's experts
         self.replay = replay_.table_for(spec, hf, self.arch)
         # the architecture inserts modules megatron-core lacks, then the spec edits, then R3's router
@@ -102,6 +99,9 @@ class MegatronTrainer(draft_.ExportsHead):
         built = set(convert.full_to_hf(full, self.arch, self.fused_experts))
         self.carried = {k: v for k, v in hf_state.items() if k not in built}
         self._load_full(full)
+        # trainer.precision fp8 / mxfp8, trainer.qat: HF names of the weights the forward rounds,
+        # sent packed (miles.protocols.SendsPacked); _build makes the linears compute so
+        self.packed_formats = lowp_.formats(hf, cfg)  # (it converts hf: last use)
         hf_config = hf.config
         del hf, hf_state
         self.model.train()

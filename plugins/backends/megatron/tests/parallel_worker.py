@@ -2,7 +2,8 @@
 through torch.distributed.run, with the TEST-ONLY CPU shim: Qwen2 at tensor_parallel=2 (with a
 critic), Qwen3-MoE at expert_parallel=2 (so data-parallel 2), then Qwen2 at pipeline_parallel=2
 and at pipeline_parallel=2 with 2 virtual stages per rank (4 layers; both with a critic), and
-Qwen3-MoE with routing replay at pipeline_parallel=2 and at expert_parallel=2.
+Qwen3-MoE with routing replay at pipeline_parallel=2 and at expert_parallel=2, and Qwen3 with
+trainer.precision mxfp8 at tensor_parallel=2 (``run_lowp``).
 Qwen2 at TP=2 and Qwen3-MoE at EP=2 x DP=2 also train a draft head for one step.
 Writes what it measured to ``OUT/{tag}_rank{R}.pt`` and a checkpoint after one training step to
 ``OUT/ckpt_{tag}``; at TP=2 it also resumes ``OUT/ckpt_tp1``, written on one rank."""

@@ -1,7 +1,8 @@
 """Two gloo ranks on CPU (torch.distributed.run): tensor_parallel=2 (Qwen2, with the critic),
 expert_parallel=2 with data-parallel 2 (Qwen3-MoE), pipeline_parallel=2 (Qwen2, with the critic),
 pipeline_parallel=2 with two virtual stages per rank (4-layer Qwen2, with the critic) and routing
-replay at pipeline_parallel=2 and at expert_parallel=2 (Qwen3-MoE). Each builds the model from the
+replay at pipeline_parallel=2 and at expert_parallel=2 (Qwen3-MoE), and Qwen3 with
+trainer.precision mxfp8 at tensor_parallel=2. Each builds the model from the
 same HF weights, exports them bit-exactly, computes the HF log-probs, takes the same optimizer step
 as one rank does, and writes a checkpoint that resumes on one rank; at TP=2 and at EP=2 x DP=2 a
 draft head trains to the same replica on both ranks, with one rank's loss."""
