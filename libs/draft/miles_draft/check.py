@@ -4,7 +4,7 @@ plugins that train a draft: each calls ``problems`` with its own name from its
 ``TRAINERS`` when the run's trainer trains no draft)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 TRAINERS = ("fsdp2", "megatron")  # trainers that train a draft online
 
@@ -39,11 +39,11 @@ def declares_mtp(config: Any) -> bool:
     return False
 
 
-def problems(config: Any, raw: Any, me: str) -> list[str]:
+def problems(config: Any, raw: Any, me: str, validate: Callable[[Any, str, dict, list[str]], Any]) -> list[str]:
     """What is wrong with the ``draft:`` section ``raw``, if the trainer plugin ``me`` is the one
-    to tell (else nothing, so that no problem is reported twice)."""
-    from miles.config import validate_settings
-
+    to tell (else nothing, so that no problem is reported twice). ``validate``: the kernel's
+    settings validator (``miles.config.validate_settings``), passed in by the plugin so that this
+    library uses only the kernel's public names."""
     from .config import DraftConfig
 
     trainer = config.name("trainer")
@@ -52,7 +52,7 @@ def problems(config: Any, raw: Any, me: str) -> list[str]:
     out: list[str] = []
     if not isinstance(raw, dict):
         return [f"draft: must be a mapping of keys to values (got {raw!r})"]
-    validate_settings(DraftConfig, "draft", raw, out)
+    validate(DraftConfig, "draft", raw, out)
     if trainer not in TRAINERS:
         out.append(f"draft: the draft is trained by trainer {' or '.join(TRAINERS)} (trainer.name is "
                    f"{trainer!r}); remove the draft: section or use one of those trainers")

@@ -28,6 +28,7 @@ def miles_validate_config(config):
     raw = config.raw.get("draft")
     if raw is None:
         return None
+    from miles.config import validate_settings
     from miles_draft.check import problems
 
-    return problems(config, raw, "fsdp2")
+    return problems(config, raw, "fsdp2", validate_settings)

@@ -42,9 +42,10 @@ def _draft_problems(config) -> list[str]:
     raw = config.raw.get("draft")
     if raw is None:
         return []
+    from miles.config import validate_settings
     from miles_draft.check import declares_mtp, problems, speculative
 
-    out = problems(config, raw, "megatron")
+    out = problems(config, raw, "megatron", validate_settings)
     if config.name("trainer") != "megatron":
         return out
     drafts = speculative(config).get("draft")
