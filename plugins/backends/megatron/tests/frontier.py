@@ -113,3 +113,40 @@ class Spec(helpers.Spec):
 
     def architecture(self) -> Any:
         return architecture(self.family)
+
+
+def moe_spec(family: str) -> Any:
+    """The ``moe`` spec (routing replay on) over the hf spec of ``family``'s tiny config."""
+    from miles import make_plugin_manager
+
+    pm = make_plugin_manager()
+    settings = pm.registry("model_specs")["moe"].config.model_validate(
+        {"base": {"name": "hf", "config": {"model_type": family, **CONFIGS[family]}}, "routing_replay": True})
+    return pm.create("model_specs", "moe", settings, pm=pm)
+
+
+def check_replay(tr: Any, spec: Any, b: Any, layers: tuple[int, ...]) -> None:
+    """R3 through the megatron trainer ``tr``: random recorded experts (top-2 of 8) of the MoE
+    ``layers`` for every token but the last are the ones megatron-core's routers take, and the
+    log-probs equal ``spec``'s replaying transformers forward (and differ from unreplayed ones)."""
+    from replay_helpers import MegatronRouting, Tok, as_sets
+
+    assert tr.replay is not None
+    plain = tr.logprobs(b)
+    g = torch.Generator().manual_seed(7)
+    for s in b.samples:
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        s.extensions["moe"] = {"routed_experts": torch.rand(n, len(layers), 8, generator=g).argsort(-1)[..., :2].int()}
+    hooks = MegatronRouting(tr.model, len(b))
+    replayed = tr.logprobs(b)
+    hooks.close()
+    assert sorted(hooks.maps) == list(layers)
+    for row, s in enumerate(b.samples):
+        rec = s.extensions["moe"]["routed_experts"]
+        for column, layer in enumerate(layers):
+            assert torch.equal(hooks.maps[layer][row, :len(rec)], as_sets(rec[:, column], 8))
+    hf = spec.build_model(Tok())
+    hf.load_state_dict(dict(tr.named_weights()))
+    mask = b.loss_mask.bool()
+    assert (replayed - spec.action_logprobs(hf, b).detach())[mask].abs().max() < 1e-5
+    assert (replayed - plain)[mask].abs().max() > 1e-3

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from frontier import CONFIGS, GATED, Spec, architecture, hf_model
+from frontier import CONFIGS, GATED, Spec, architecture, check_replay, hf_model, moe_spec
 from frontier_worker import CASES
 from helpers import batch, hf_logprobs
 from miles import MilesError
@@ -169,34 +169,12 @@ def test_gpt_oss_what_megatron_core_cannot_build_is_refused():
 def test_gpt_oss_routing_replay(megatron_cpu):
     """R3 with gpt-oss (the ``moe`` spec over it): megatron-core's routers take the recorded experts,
     and the log-probs equal the spec's replaying transformers forward."""
-    from miles import make_plugin_manager
     from miles_plugin_megatron.trainer import MegatronTrainer
-    from replay_helpers import MegatronRouting, Tok, as_sets
+    from replay_helpers import Tok
 
-    pm = make_plugin_manager()
-    settings = pm.registry("model_specs")["moe"].config.model_validate(
-        {"base": {"name": "hf", "config": {"model_type": "gpt_oss", **CONFIGS["gpt_oss"]}}, "routing_replay": True})
-    spec = pm.create("model_specs", "moe", settings, pm=pm)
+    spec = moe_spec("gpt_oss")
     tr = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32"), spec=spec, tokenizer=Tok(), seed=0)
-    assert tr.replay is not None
-    b = batch(rows=4)
-    plain = tr.logprobs(b)
-    g = torch.Generator().manual_seed(7)
-    for s in b.samples:  # distinct random experts for every token but the last
-        n = len(s.prompt_ids) + len(s.response_ids) - 1
-        s.extensions["moe"] = {"routed_experts": torch.rand(n, 2, 8, generator=g).argsort(-1)[..., :2].int()}
-    hooks = MegatronRouting(tr.model, len(b))
-    replayed = tr.logprobs(b)
-    hooks.close()
-    for row, s in enumerate(b.samples):
-        rec = s.extensions["moe"]["routed_experts"]
-        for layer in range(2):
-            assert torch.equal(hooks.maps[layer][row, :len(rec)], as_sets(rec[:, layer], 8))
-    hf = spec.build_model(Tok())
-    hf.load_state_dict(dict(tr.named_weights()))
-    mask = b.loss_mask.bool()
-    assert (replayed - spec.action_logprobs(hf, b).detach())[mask].abs().max() < 1e-5
-    assert (replayed - plain)[mask].abs().max() > 1e-3
+    check_replay(tr, spec, batch(rows=4), (0, 1))
 
 
 # -- Qwen3-Next and Qwen3.5 MoE: gated DeltaNet, gated attention, zero-centred norms ------------------
@@ -273,36 +251,12 @@ def test_gated_routing_replay(megatron_cpu):
     """R3 with Qwen3-Next (the ``moe`` spec over it, a dense first layer): megatron-core's routers of
     the MoE layers take the recorded experts, and the log-probs equal the spec's replaying
     transformers forward."""
-    from miles import make_plugin_manager
     from miles_plugin_megatron.trainer import MegatronTrainer
-    from replay_helpers import MegatronRouting, Tok, as_sets
+    from replay_helpers import Tok
 
-    pm = make_plugin_manager()
-    settings = pm.registry("model_specs")["moe"].config.model_validate(
-        {"base": {"name": "hf", "config": {"model_type": "qwen3_next", **CONFIGS["qwen3_next"]}},
-         "routing_replay": True})
-    spec = pm.create("model_specs", "moe", settings, pm=pm)
+    spec = moe_spec("qwen3_next")
     tr = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32"), spec=spec, tokenizer=Tok(), seed=0)
-    assert tr.replay is not None
-    b = batch(rows=4)
-    plain = tr.logprobs(b)
-    g = torch.Generator().manual_seed(7)
-    for s in b.samples:  # distinct random experts of the two MoE layers for every token but the last
-        n = len(s.prompt_ids) + len(s.response_ids) - 1
-        s.extensions["moe"] = {"routed_experts": torch.rand(n, 2, 8, generator=g).argsort(-1)[..., :2].int()}
-    hooks = MegatronRouting(tr.model, len(b))
-    replayed = tr.logprobs(b)
-    hooks.close()
-    assert sorted(hooks.maps) == [1, 2]
-    for row, s in enumerate(b.samples):
-        rec = s.extensions["moe"]["routed_experts"]
-        for column, layer in enumerate((1, 2)):
-            assert torch.equal(hooks.maps[layer][row, :len(rec)], as_sets(rec[:, column], 8))
-    hf = spec.build_model(Tok())
-    hf.load_state_dict(dict(tr.named_weights()))
-    mask = b.loss_mask.bool()
-    assert (replayed - spec.action_logprobs(hf, b).detach())[mask].abs().max() < 1e-5
-    assert (replayed - plain)[mask].abs().max() > 1e-3
+    check_replay(tr, spec, batch(rows=4), (1, 2))
 
 
 @pytest.mark.slow
@@ -380,32 +334,8 @@ def test_glm5_what_megatron_cannot_build_is_refused():
 def test_glm5_routing_replay(megatron_cpu):
     """R3 with GLM-5 (the ``moe`` spec over it, a dense first layer): megatron-core's routers of the MoE
     layers take the recorded experts, and the log-probs equal the spec's replaying transformers forward."""
-    from miles import make_plugin_manager
-    from replay_helpers import MegatronRouting, Tok, as_sets
+    from replay_helpers import Tok
 
-    pm = make_plugin_manager()
-    settings = pm.registry("model_specs")["moe"].config.model_validate(
-        {"base": {"name": "hf", "config": {"model_type": "glm_moe_dsa", **CONFIGS["glm_moe_dsa"]}},
-         "routing_replay": True})
-    spec = pm.create("model_specs", "moe", settings, pm=pm)
-    tr = _glm5_trainer(spec, Tok())
-    assert tr.replay is not None
-    b = batch(rows=4, prompt=8, response=8)
-    plain = tr.logprobs(b)
-    g = torch.Generator().manual_seed(7)
-    for s in b.samples:  # distinct random experts of the two MoE layers for every token but the last
-        n = len(s.prompt_ids) + len(s.response_ids) - 1
-        s.extensions["moe"] = {"routed_experts": torch.rand(n, 2, 8, generator=g).argsort(-1)[..., :2].int()}
-    hooks = MegatronRouting(tr.model, len(b))
-    replayed = tr.logprobs(b)
-    hooks.close()
-    assert sorted(hooks.maps) == [1, 2]
-    for row, s in enumerate(b.samples):
-        rec = s.extensions["moe"]["routed_experts"]
-        for column, layer in enumerate((1, 2)):
-            assert torch.equal(hooks.maps[layer][row, :len(rec)], as_sets(rec[:, column], 8))
-    hf = spec.build_model(Tok())
-    hf.load_state_dict(dict(tr.named_weights()))
-    mask = b.loss_mask.bool()
-    assert (replayed - spec.action_logprobs(hf, b).detach())[mask].abs().max() < 1e-5
-    assert (replayed - plain)[mask].abs().max() > 1e-3
+    spec = moe_spec("glm_moe_dsa")
+    check_replay(_glm5_trainer(spec, Tok()), spec, batch(rows=4, prompt=8, response=8), (1, 2))
+
