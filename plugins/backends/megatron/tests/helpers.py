@@ -61,13 +61,16 @@ def batch(seed: int = 1, rows: int = 4, vocab: int = 101, prompt: int = 3, respo
 
 
 def hf_logprobs(model: torch.nn.Module, b: Any) -> torch.Tensor:
-    """The HF model's ``[B, R]`` response log-probs on a padded batch."""
+    """The HF model's ``[B, R]`` response log-probs on a padded batch, computed on the model's
+    device and returned on the CPU."""
+    dev = next(model.parameters()).device
+    ids = b.input_ids.to(dev)
     with torch.no_grad():
-        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                       position_ids=b.position_ids).logits[:, b.prompt_len - 1:-1].float()
+        logits = model(input_ids=ids, attention_mask=b.attention_mask.to(dev),
+                       position_ids=b.position_ids.to(dev)).logits[:, b.prompt_len - 1:-1].float()
     if b.temperature != 1.0:
         logits = logits / b.temperature
-    return logits.log_softmax(-1).gather(-1, b.input_ids[:, b.prompt_len:, None])[..., 0]
+    return logits.log_softmax(-1).gather(-1, ids[:, b.prompt_len:, None])[..., 0].cpu()
 
 
 def read_tensors(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:

@@ -5,18 +5,11 @@ uncompiled ones."""
 import pytest
 import torch
 from frontier import GATED, Spec, hf_model
-from helpers import batch
+from helpers import batch, hf_logprobs
 from miles_plugin_megatron.config import MegatronConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def hf_lp(model, b):
-    with torch.no_grad():
-        logits = model(input_ids=b.input_ids.cuda(), attention_mask=b.attention_mask.cuda(),
-                       position_ids=b.position_ids.cuda()).logits[:, b.prompt_len - 1:-1].float()
-    return logits.log_softmax(-1).gather(-1, b.input_ids[:, b.prompt_len:, None].cuda())[..., 0].cpu()
 
 
 @pytest.mark.parametrize("family", GATED)
@@ -28,7 +21,7 @@ def test_gated_families_match_transformers_and_train_in_bf16(family):
     b = batch(rows=8)
     mask = b.loss_mask.bool()
     fp32 = tr.logprobs(b)
-    diff = (fp32 - hf_lp(hf_model(family).cuda(), b))[mask].abs().max()
+    diff = (fp32 - hf_logprobs(hf_model(family).cuda(), b))[mask].abs().max()
     print(f"MEASURED {family}_fp32_megatron_vs_hf_max_abs = {float(diff):.3g}")
     assert diff < 1e-3
     tr.cfg = tr.cfg.model_copy(update={"precision": "bf16"})

@@ -5,18 +5,11 @@ copy lower the loss while the indexer stays frozen."""
 import pytest
 import torch
 from frontier import Spec, hf_model
-from helpers import batch
+from helpers import batch, hf_logprobs
 from miles_plugin_megatron.config import MegatronConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def hf_lp(model, b):
-    with torch.no_grad():
-        logits = model(input_ids=b.input_ids.cuda(), attention_mask=b.attention_mask.cuda(),
-                       position_ids=b.position_ids.cuda()).logits[:, b.prompt_len - 1:-1].float()
-    return logits.log_softmax(-1).gather(-1, b.input_ids[:, b.prompt_len:, None].cuda())[..., 0].cpu()
 
 
 def test_glm5_matches_transformers_and_trains_in_bf16():
@@ -29,7 +22,7 @@ def test_glm5_matches_transformers_and_trains_in_bf16():
     b = batch(rows=8, prompt=12, response=12)  # up to 26 tokens, 6 kept per query
     mask = b.loss_mask.bool()
     fp32 = tr.logprobs(b)
-    diff = (fp32 - hf_lp(hf_model("glm_moe_dsa").cuda(), b))[mask].abs().max()
+    diff = (fp32 - hf_logprobs(hf_model("glm_moe_dsa").cuda(), b))[mask].abs().max()
     print(f"MEASURED glm_moe_dsa_fp32_megatron_vs_hf_max_abs = {float(diff):.3g}")
     assert diff < 1e-3
     before = {k: v.clone() for k, v in tr.named_weights() if ".indexer." in k}

@@ -6,8 +6,8 @@ move the sinks, the expert biases and the router."""
 import pytest
 import torch
 from frontier import Spec, hf_model
-from helpers import batch
-from test_gpu import hf_lp, make, report
+from helpers import batch, hf_logprobs
+from test_gpu import make, report
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,7 +26,7 @@ def test_gpt_oss_matches_transformers_and_trains_in_bf16():
     hf = hf_model("gpt_oss", **SHAPE).cuda().eval()
     hf.load_state_dict(dict(tr.named_weights()))
     m = b.loss_mask.bool()
-    ref = hf_lp(hf, b)
+    ref = hf_logprobs(hf, b)
     d32 = (tr.logprobs(b) - ref)[m].abs()
     report("gpt_oss_fp32_megatron_vs_hf_max_abs", d32.max())
     assert d32.max() < 1e-3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Spec, batch, read_tensors
+from helpers import Spec, batch, hf_logprobs, read_tensors
 from miles_plugin_megatron.config import MegatronConfig
 
 pytestmark = [pytest.mark.gpu,
@@ -31,13 +31,6 @@ def make(spec, **cfg):
     return MegatronTrainer(MegatronConfig(device="cuda", **cfg), spec=spec, tokenizer=None, seed=0, total_steps=10)
 
 
-def hf_lp(model, b):
-    with torch.no_grad():
-        logits = model(input_ids=b.input_ids.cuda(), attention_mask=b.attention_mask.cuda(),
-                       position_ids=b.position_ids.cuda()).logits[:, b.prompt_len - 1:-1].float()
-    return logits.log_softmax(-1).gather(-1, b.input_ids[:, b.prompt_len:, None].cuda())[..., 0].cpu()
-
-
 def test_logprobs_match_hf_qwen2_05b_shape():
     spec = Spec("qwen2", tie_word_embeddings=True, **QWEN2_05B)
     b = batch(rows=16, vocab=151936)
@@ -45,12 +38,12 @@ def test_logprobs_match_hf_qwen2_05b_shape():
     named = dict(tr.named_weights())
     hf = spec.build_model(None).cuda().eval()
     hf.load_state_dict(named)
-    ref = hf_lp(hf, b)
+    ref = hf_logprobs(hf, b)
     m = b.loss_mask.bool()
     fp32 = tr.logprobs(b)
     tr.cfg = tr.cfg.model_copy(update={"precision": "bf16"})
     bf16 = tr.logprobs(b)
-    hf_bf16 = hf_lp(hf.to(torch.bfloat16), b)
+    hf_bf16 = hf_logprobs(hf.to(torch.bfloat16), b)
     d32, d16, h16 = ((x - ref)[m].abs() for x in (fp32, bf16, hf_bf16))
     report("qwen2_05b_fp32_megatron_vs_hf_max_abs", d32.max())
     report("qwen2_05b_bf16_megatron_vs_hf_fp32_max_abs", d16.max())
@@ -67,7 +60,7 @@ def test_tiny_qwen3_moe_matches_hf_and_trains():
     tr = make(spec, precision="fp32", lr=1e-3)
     hf = spec.build_model(None).cuda().eval()
     hf.load_state_dict(dict(tr.named_weights()))
-    diff = (tr.logprobs(b) - hf_lp(hf, b))[b.loss_mask.bool()].abs().max()
+    diff = (tr.logprobs(b) - hf_logprobs(hf, b))[b.loss_mask.bool()].abs().max()
     report("tiny_qwen3_moe_fp32_megatron_vs_hf_max_abs", diff)
     assert diff < 1e-3
     tr.cfg = tr.cfg.model_copy(update={"precision": "bf16"})
@@ -93,7 +86,7 @@ def test_bf16_compute_copy_and_compiled_layers():
     hf.load_state_dict(dict(eager.named_weights()))
     m = b.loss_mask.bool()
     lp = eager.logprobs(b)
-    diff = (lp - hf_lp(hf, b))[m].abs()
+    diff = (lp - hf_logprobs(hf, b))[m].abs()
     report("tiny_qwen2_bf16_copy_vs_hf_fp32_mean_abs", diff.mean())
     assert diff.mean() < 0.05
     gap = (compiled.logprobs(b) - lp)[m].abs()
