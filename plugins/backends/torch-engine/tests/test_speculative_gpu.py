@@ -13,7 +13,8 @@ from miles import SamplingParams
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
-from miles_plugin_torch_engine.engine import TorchEngine, _filter
+from miles_plugin_torch_engine.engine import TorchEngine
+from spec_checks import empirical, exact, tv, tv_bound
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -117,39 +118,17 @@ def test_graphed_sampling_logprobs_are_the_targets_at_temperature_one(target, dr
 PROMPT, STEPS, VOCAB = [1, 2, 3], 3, 6
 
 
-def _exact(model, params: SamplingParams) -> dict[tuple, float]:
-    """Probability of every STEPS-token continuation of PROMPT under plain sampling's distribution."""
-    seqs = list(itertools.product(range(VOCAB), repeat=STEPS))
-    ids = torch.tensor([PROMPT + list(s) for s in seqs])
-    with torch.no_grad():
-        logits = model(ids).logits[:, len(PROMPT) - 1:-1].float()
-    logp = torch.log_softmax(logits / params.temperature, -1)
-    logp = torch.log_softmax(_filter(logp.reshape(-1, VOCAB), params.top_k, params.top_p), -1).view_as(logp)
-    p = logp.gather(-1, ids[:, len(PROMPT):, None]).squeeze(-1).sum(-1).exp()
-    return dict(zip(seqs, p.tolist()))
-
-
-def _empirical(comps, keys) -> np.ndarray:
-    counts = dict.fromkeys(keys, 0)
-    for c in comps:
-        counts[tuple(c.token_ids)] += 1
-    return np.array([counts[k] for k in keys], dtype=float) / len(comps)
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
 def test_graphed_samples_have_exactly_the_targets_distribution(temperature, top_k, top_p):
     """The CPU test's total-variation check of all 216 three-token continuations, on the graphs."""
     cpu_model = _model(0, vocab=VOCAB, hidden=32)
     N = 6000
     params = SamplingParams(temperature, top_p, top_k, STEPS, [], seed=3)
-    exact = _exact(cpu_model, params)
-    keys, p = list(exact), np.array(list(exact.values()))
+    probs = exact(cpu_model, PROMPT, STEPS, VOCAB, params)
+    keys, p = list(probs), np.array(list(probs.values()))
     spec_engine = _engine(cpu_model, {"draft": "head", "tokens": 2, "max_batch": 1 << 20})
-    spec = _empirical(spec_engine.generate([PROMPT], params, n=N)[0], keys)
+    spec = empirical(spec_engine.generate([PROMPT], params, n=N)[0], keys)
     assert spec_engine._spec.graphs._graphs
-    rng = np.random.default_rng(0)
-    noise = [0.5 * np.abs(rng.multinomial(N, p / p.sum()) - rng.multinomial(N, p / p.sum())).sum() / N
-             for _ in range(300)]
-    assert 0.5 * np.abs(spec - p).sum() < float(np.quantile(noise, 0.999))
+    assert tv(spec, p) < tv_bound(p, N)
     m = spec_engine.step_metrics()
     assert 0.0 < m["spec_accept_rate"] < 1.0
