@@ -121,6 +121,12 @@ class MilesPluginManager(pluggy.PluginManager):
             raise PluginError(f"{kind[:-1]} {name!r} from {comp.plugin} failed to start: "
                               f"{type(e).__name__}: {e}") from e
 
+    def architecture(self, model_type: str | None) -> Any:
+        """The ``Architecture`` a plugin registers for a Hugging Face ``model_type`` (None: none)."""
+        if model_type is None or model_type not in self.registry("architectures"):
+            return None
+        return self.create("architectures", model_type, None)
+
 
 _CALLING: contextvars.ContextVar[str] = contextvars.ContextVar("miles_calling_plugin", default="?")
 

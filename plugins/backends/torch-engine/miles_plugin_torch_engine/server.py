@@ -67,9 +67,7 @@ class FolderSpec:
             from miles import make_plugin_manager
 
             model_type = json.loads((Path(self.model_dir) / "config.json").read_text()).get("model_type")
-            pm = make_plugin_manager()
-            found = model_type is not None and model_type in pm.registry("architectures")
-            self._arch.append(pm.create("architectures", model_type, None) if found else None)
+            self._arch.append(make_plugin_manager().architecture(model_type))
         return self._arch[0]
 
     def build_tokenizer(self, default: Any = None) -> Any:

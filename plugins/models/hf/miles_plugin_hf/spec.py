@@ -33,9 +33,7 @@ class HFModelSpec:
             from miles import make_plugin_manager
 
             pm = self._pm if self._pm is not None else make_plugin_manager()
-            model_type = self.model_type()
-            found = model_type is not None and model_type in pm.registry("architectures")
-            self._arch.append(pm.create("architectures", model_type, None) if found else None)
+            self._arch.append(pm.architecture(self.model_type()))
         return self._arch[0]
 
     def build_tokenizer(self, default: Any = None) -> Any:
