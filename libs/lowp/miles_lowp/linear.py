@@ -198,3 +198,19 @@ def packed_weights(named: Iterable[tuple[str, torch.Tensor]], formats: dict[str,
     for name, t in named:
         fmt = formats.get(name)
         yield from (packed(name, t, fmt) if fmt is not None else [(name, t)])
+
+
+class SendsPackedWeights:
+    """``miles.protocols.SendsPacked`` for a trainer with ``named_weights()`` and ``packed_formats``
+    (HF name -> format of each weight its forward rounds): what the engines receive and what
+    ``miles export`` writes, the same rounding as the forward's."""
+
+    packed_formats: dict[str, str]
+
+    def packed_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named_weights()`` with each rounded weight replaced by its packed tensors and scales."""
+        return packed_weights(self.named_weights(), self.packed_formats)
+
+    def served_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named`` with the weights the forward rounds rounded the same way (``miles export``)."""
+        return served_weights(named, self.packed_formats)

@@ -21,7 +21,7 @@ from miles_fastpath.schedule import Tally, lr_lambda, step_or_skip
 from miles_telemetry.flops import for_device, seq_lens
 from miles_fastpath import cpu_gemm
 from miles_lowp.linear import convert as convert_lowp
-from miles_lowp.linear import packed_weights, served_weights
+from miles_lowp.linear import SendsPackedWeights
 from miles_rlmath.logprobs import token_logprobs
 
 from miles import Batch, MilesError
@@ -120,7 +120,7 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class FSDP2Trainer:
+class FSDP2Trainer(SendsPackedWeights):
     """SPMD: with several ranks every rank builds this with the same config and is called with
     the same global batches; collectives (``train_step``, ``logprobs``, ``named_weights``,
     ``load_weights``, ``snapshot_reference``, ``save``, ``load``) must be called on every rank."""
@@ -360,16 +360,6 @@ class FSDP2Trainer:
         head = split(self.named_weights())[1]
         if self.rank == 0:
             save_head(head, folder)
-
-    def packed_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named_weights()`` as the engines receive them (``miles.protocols.SendsPacked``): each
-        weight the trainer computes with in a low-precision format replaced by its packed tensors
-        and scales, the same rounding as the forward's."""
-        return packed_weights(self.named_weights(), self.packed_formats)
-
-    def served_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named`` with the weights the forward rounds rounded the same way (``miles export``)."""
-        return served_weights(named, self.packed_formats)
 
     def _state_items(self) -> list[tuple[str, torch.Tensor]]:
         """The state dict's names with the live parameters and buffers they name, kept: FSDP2

@@ -22,6 +22,7 @@ from miles_rlmath.logprobs import fused_available, token_logprobs
 from miles_telemetry.flops import for_device, seq_lens
 from miles import Batch, MilesError
 from miles.protocols import EditsMegatronLayers, KnowsArchitecture
+from miles_lowp.linear import SendsPackedWeights
 
 from . import arch as arch_
 from . import compute as compute_
@@ -52,7 +53,7 @@ def right_aligned(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return shifted, index
 
 
-class MegatronTrainer(draft_.ExportsHead):
+class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
     """Collectives (``train_step``, ``logprobs``, ``named_weights``, ``load_weights``,
     ``snapshot_reference``, ``save``, ``load``) must be called on every rank."""
 
@@ -451,19 +452,6 @@ class MegatronTrainer(draft_.ExportsHead):
         yield from self.carried.items()
         if self.draft is not None:  # every rank holds the whole head
             yield from self.draft.named()
-
-    def packed_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named_weights()`` with each weight the forward rounds replaced by the packed tensors and
-        scales the engines serve (``miles.protocols.SendsPacked``)."""
-        from miles_lowp.linear import packed_weights
-
-        return packed_weights(self.named_weights(), self.packed_formats)
-
-    def served_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named`` with the weights the forward rounds rounded the same way (``miles export``)."""
-        from miles_lowp.linear import served_weights
-
-        return served_weights(named, self.packed_formats)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors in HF names (the same on every rank); each rank keeps its shards."""
