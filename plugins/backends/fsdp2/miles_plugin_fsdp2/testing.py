@@ -4,21 +4,18 @@ Every rank gets ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``MA
 ``MASTER_PORT``. If a rank fails or the time runs out, every rank still alive is killed (a rank
 stuck in a collective would otherwise wait forever), also when the caller is interrupted.
 
-* :func:`launch` runs a script as fresh interpreters (what torchrun does; needed for CUDA).
-* :func:`fork_ranks` forks the calling process (CPU only, no CUDA initialised): the ranks inherit
-  its imports, so they start in milliseconds instead of re-importing torch and transformers.
+:func:`launch` runs a script as fresh interpreters, as torchrun does. Forking the caller instead
+would save the imports, but a forked test worker that already runs threads can crash.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 
 def free_port() -> int:
@@ -55,37 +52,6 @@ def launch(argv: Sequence[str], world_size: int, timeout: float = 120.0,
             p.wait()
         for f in logs:
             f.close()
-
-
-def fork_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
-               timeout: float = 120.0) -> None:
-    """Call ``fn(*args)`` in ``world_size`` forked ranks (results go through files ``fn``
-    writes). A rank's exception is printed to stderr and fails the call with ``RuntimeError``."""
-    ctx = mp.get_context("fork")
-    port = free_port()
-    procs = [ctx.Process(target=_forked_rank, args=(fn, args, rank_env(r, world_size, port)), daemon=True)
-             for r in range(world_size)]
-    try:
-        for p in procs:
-            p.start()
-        _supervise([lambda p=p: p.exitcode for p in procs], timeout, lambda: "(tracebacks above, on stderr)")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-
-
-def _forked_rank(fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str]) -> None:
-    os.environ.update(env)
-    try:
-        fn(*args)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)  # skip the parent's atexit handlers (pytest's among them)
 
 
 def _supervise(polls: list[Callable[[], int | None]], timeout: float, detail: Callable[[], str]) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,27 +108,30 @@ def scenario_load_weights(**kw) -> dict:
 
 
 def main(opts: dict) -> None:
-    """Rank script entry (fresh interpreters, as for CUDA): one scenario, results to a file."""
+    """Rank script entry (a fresh interpreter per rank): one scenario, results to a file."""
     torch.set_num_threads(1)
-    scenario = {"train": scenario_train, "resume": scenario_resume}[opts.pop("scenario")]
-    out = opts.pop("out")
+    name, out = opts.pop("scenario"), opts.pop("out")
+    if name == "every":
+        return every_scenario(out)
+    scenario = {"train": scenario_train, "resume": scenario_resume}[name]
     torch.save(scenario(**opts), os.path.join(out, f"rank{os.environ['RANK']}.pt"))
 
 
-def launch_two(tmp, scenario: str, **opts) -> list[dict]:
+def launch_two(tmp, scenario: str, dest=None, **opts) -> list[dict]:
+    """Run ``scenario`` in 2 ranks; each writes ``rank<r>.pt`` to ``dest`` (``tmp/scenario``)."""
     from miles_plugin_fsdp2.testing import launch
 
-    out = tmp / scenario
+    out = dest or tmp / scenario
     out.mkdir(parents=True, exist_ok=True)
     launch([__file__, json.dumps({"scenario": scenario, "out": str(out), **opts})], world_size=2,
            timeout=300, env={"OMP_NUM_THREADS": "1"})
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-def every_scenario(tmp) -> None:
-    """One forked rank: train (saving a checkpoint), then two more trainers in the same process
-    (the loop does that too): resume from the 1-rank checkpoint, stream weights in."""
-    torch.set_num_threads(1)
+def every_scenario(out: str) -> None:
+    """One rank: train (saving a checkpoint), then two more trainers in the same process (the loop
+    does that too): resume from the 1-rank checkpoint, stream weights in."""
+    tmp = Path(out)
     res = {"train": scenario_train(ckpt=str(tmp / "ckpt_w2")),
            "resume": scenario_resume(ckpt=str(tmp / "ckpt_w1")),
            "load_weights": scenario_load_weights(), "gather": scenario_gather()}
@@ -172,13 +176,10 @@ def assert_weights_close(a: dict, b: dict, atol: float, what: str, noise_atol: f
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The 1-rank run (in this process, saving a checkpoint after step 2), then every 2-rank
-    scenario in 2 forked ranks."""
-    from miles_plugin_fsdp2.testing import fork_ranks
-
+    scenario in 2 fresh interpreters (forking the test worker, which has threads, can crash)."""
     tmp = tmp_path_factory.mktemp("multirank")
     one = scenario_train(ckpt=str(tmp / "ckpt_w1"))
-    fork_ranks(every_scenario, 2, args=(tmp,), timeout=120)
-    two = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    two = launch_two(tmp, "every", dest=tmp)
     return {"tmp": tmp, "one": one, **{k: [t[k] for t in two] for k in two[0]}}
 
 
