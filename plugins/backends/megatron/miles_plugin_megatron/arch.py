@@ -88,6 +88,13 @@ class Arch:
     yarn_beta_slow: float = 1.0
     yarn_truncate: bool = True  # correction range rounded to whole dimensions
     yarn_mscale: tuple[float, float] | None = None  # (mscale, mscale_all_dim); None: from the factor alone
+    # DeepSeek-V4: ``hc_mult`` residual streams (hyper.py; 1: one), hash-routed MoE layers (routing.py),
+    # and an attention that is transformers' own module, held by the architecture's edit (TP 1 only)
+    hc_mult: int = 1
+    hc_sinkhorn_iters: int = 0
+    hc_eps: float = 0.0
+    hash_layers: tuple[int, ...] = ()
+    hf_attention: bool = False
 
     @property
     def moe(self) -> bool:
@@ -175,7 +182,8 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
                   # top-k-then-softmax is that renormalised form, pre-softmax the other
                   moe_router_pre_softmax=not arch.norm_topk, moe_router_load_balancing_type="none",
                   moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-                  moe_permute_fusion=False, moe_router_dtype="fp32", moe_router_score_function=arch.score,
+                  moe_permute_fusion=False, moe_router_dtype="fp32",  # sqrt-softplus: routing.py scores
+                  moe_router_score_function="sigmoid" if arch.score == "sqrtsoftplus" else arch.score,
                   moe_router_enable_expert_bias=arch.expert_bias,
                   moe_router_topk_scaling_factor=arch.scaling,
                   moe_layer_freq=[int(arch.moe_layer(i)) for i in range(arch.num_layers)])
@@ -216,6 +224,9 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
         # the clamped GLU runs megatron-core's unfused path (its fused kernels take no clamp with a bias)
         kw.update(glu_linear_offset=arch.glu_offset, activation_func_clamp_value=arch.glu_limit)
         activation, fused = _sigmoid_gelu(arch.glu_alpha), False
+    elif arch.glu_limit is not None:  # SiLU with the clamps (DeepSeek-V4's swiglu_limit): unfused path
+        kw.update(activation_func_clamp_value=arch.glu_limit)
+        fused = False
     config = TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
         num_query_groups=arch.kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn,
@@ -383,7 +394,9 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
         if not moe and mlp is not None:
             mlp.linear_fc1, mlp.linear_fc2 = column, row
     if moe and mlp is not None and hasattr(mlp, "router"):
-        mlp.router = fp32_router()
+        from .routing import router_class
+
+        mlp.router = router_class(arch) if arch.score == "sqrtsoftplus" else fp32_router()
     if moe and mlp is not None and tp == 1 and arch.linear_bias and _submodules(mlp.experts) is not None:
         # an expert adds its output bias in place, which the one-rank reduction's returned view forbids
         experts = _submodules(mlp.experts)
@@ -391,6 +404,10 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
     if arch.zero_centered_norms:
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
         attn.q_layernorm = attn.k_layernorm = ZeroCenteredRMSNorm
+    if arch.hc_mult > 1:
+        from .hyper import streams_spec
+
+        spec = streams_spec(arch, spec)
     return edit(spec) if edit is not None else spec
 
 
@@ -438,7 +455,7 @@ def block_spec(arch: Arch, config: Any, edit: Callable[[Any], Any] | None = None
                vp_stage: int | None = None) -> Any:
     """One layer spec for every layer, or, where dense and MoE layers mix (or the final norm is
     zero-centred), the spec of each layer of this pipeline stage (or virtual chunk)."""
-    if not arch.dense_layers and not arch.zero_centered_norms:
+    if not arch.dense_layers and not arch.zero_centered_norms and arch.hc_mult == 1:
         return layer_spec(arch, edit, tp)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -447,8 +464,13 @@ def block_spec(arch: Arch, config: Any, edit: Callable[[Any], Any] | None = None
     kinds = {m: layer_spec(arch, edit, tp, moe=m) for m in {arch.moe_layer(i) for i in range(arch.num_layers)}}
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    norm = ZeroCenteredRMSNorm if arch.zero_centered_norms else LayerNormImpl
+    if arch.hc_mult > 1:  # the streams collapse before the final norm
+        from .hyper import head_class
+
+        norm = head_class(arch.hc_mult, arch.hc_eps)
     return TransformerBlockSubmodules(layer_specs=[kinds[arch.moe_layer(i)] for i in range(offset, offset + count)],
-                                      layer_norm=ZeroCenteredRMSNorm if arch.zero_centered_norms else LayerNormImpl)
+                                      layer_norm=norm)
 
 
 def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True, post_process: bool = True,
@@ -468,6 +490,10 @@ def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True,
                      **({"vp_stage": vp_stage} if vp_stage is not None else {}))
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)
+    if arch.hash_layers:
+        from .routing import share_token_ids
+
+        share_token_ids(model)
     return model
 
 

@@ -82,6 +82,8 @@ def hf_to_full(hf: dict[str, torch.Tensor], arch: Arch, tp: int = 1) -> dict[str
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not arch.tied:
         out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], V)
+    if arch.hc_mult > 1:  # the hyper-connection head sits in the final norm (hyper.py)
+        out.update({f"decoder.final_layernorm.{k[14:]}": t for k, t in hf.items() if k.startswith("model.hc_head.")})
     for i in range(arch.num_layers):
         out.update({f"decoder.layers.{i}.{k}": t for k, t in _layer_to_mcore(hf, arch, i).items()})
     return out
@@ -92,6 +94,8 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
     a = p + "self_attn."
     out = {"input_layernorm.weight": hf[p + "input_layernorm.weight"],
            "pre_mlp_layernorm.weight": hf[p + "post_attention_layernorm.weight"]}
+    if arch.hc_mult > 1:  # the layer's hyper-connections, under their own names
+        out.update({k[len(p):]: t for k, t in hf.items() if k.startswith((p + "attn_hc.", p + "ffn_hc."))})
     if i in arch.linear_layers:  # gated DeltaNet in place of attention
         out.update(gated.delta_to_mcore(hf, arch, p + "linear_attn."))
     else:
@@ -105,7 +109,9 @@ def _layer_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, i: int) -> dict[str
     out["mlp.router.weight"] = hf[r + "weight"]
     if arch.linear_bias:
         out["mlp.router.bias"] = hf[r + "bias"]
-    if arch.expert_bias:
+    if i in arch.hash_layers:  # the token-id table picks the experts; no selection bias
+        out["mlp.router.tid2eid"] = hf[r + "tid2eid"]
+    elif arch.expert_bias:
         out["mlp.router.expert_bias"] = hf[r + "e_score_correction_bias"]
     if arch.shared_ffn:
         s = f"{m}{arch.shared_hf}."
@@ -159,6 +165,8 @@ def _interleaved_to_hf(experts: dict[int, dict[str, torch.Tensor]], arch: Arch, 
 
 def _attention_to_mcore(hf: dict[str, torch.Tensor], arch: Arch, a: str) -> dict[str, torch.Tensor]:
     """A softmax-attention layer's ``self_attention.*`` tensors (HF names under ``a``)."""
+    if arch.hf_attention:  # transformers' own module, held as ``self_attention.hf``
+        return {f"self_attention.hf.{k[len(a):]}": t for k, t in hf.items() if k.startswith(a)}
     out = {"self_attention.linear_proj.weight": hf[a + "o_proj.weight"]}
     if arch.mla:
         out.update({f"self_attention.{m}": hf[a + h] for m, h in _MLA.items() if a + h in hf})
@@ -195,6 +203,8 @@ def full_to_hf(full: dict[str, torch.Tensor], arch: Arch, fused_experts: bool = 
             out["lm_head.weight"] = t[:arch.vocab]
         elif name == "decoder.final_layernorm.weight":
             out["model.norm.weight"] = t
+        elif name.startswith("decoder.final_layernorm.hc_"):
+            out["model.hc_head." + name[24:]] = t
         elif (hit := _LAYER.match(name)) is not None:
             layers.setdefault(int(hit[1]), {})[hit[2]] = t
         elif not name.endswith("_extra_state"):
@@ -212,6 +222,10 @@ def _layer_to_hf(mc: dict[str, torch.Tensor], arch: Arch, i: int, fused: bool) -
     for name, t in mc.items():
         if i in arch.linear_layers and name.startswith("self_attention."):
             delta[name[15:]] = t
+        elif arch.hf_attention and name.startswith("self_attention.hf."):
+            out[a + name[18:]] = t
+        elif name.startswith(("attn_hc.", "ffn_hc.")):
+            out[p + name] = t
         elif arch.attention_gate and name == "self_attention.linear_qkv.weight":
             for proj, x in zip("qkv", gated.ungated_qkv(arch, t)):
                 out[f"{a}{proj}_proj.weight"] = x

@@ -59,6 +59,13 @@ def check_layout(cfg: MegatronConfig, arch: Arch, world: int) -> None:
     if world % (tp * ep * pp):
         bad.append(f"world size {world} is not divisible by trainer.tensor_parallel * "
                    f"trainer.expert_parallel * trainer.pipeline_parallel = {tp * ep * pp}")
+    if arch.hf_attention and tp > 1:
+        bad.append(f"trainer.tensor_parallel={tp}: this model's attention (DeepSeek-V4's compressors, indexer and "
+                   f"grouped output projection) runs transformers' own module, unsplit; set trainer.tensor_parallel=1 "
+                   f"and scale out with trainer.expert_parallel and data-parallel ranks")
+    if arch.hc_mult > 1 and pp > 1:
+        bad.append(f"trainer.pipeline_parallel={pp}: the model's {arch.hc_mult} hyper-connection residual streams "
+                   f"(model.config.hc_mult) are not sent between pipeline stages; set trainer.pipeline_parallel=1")
     if bad:
         raise MilesError("trainer (megatron): " + "; ".join(bad))
 

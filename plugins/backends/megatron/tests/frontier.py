@@ -32,6 +32,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # per query (rows of the DSA tests are longer); 16 indexer heads, so ReLU'd scores rarely tie at 0
 CONFIGS["glm_moe_dsa"] = {**CONFIGS["deepseek_v3"], "rms_norm_eps": 1e-5, "index_topk": 6, "index_n_heads": 16,
                           "index_head_dim": 16}
+# DeepSeek-V4: 2 hyper-connection streams; a heavily compressed (windows of 4), a compressed sparse
+# (windows of 2, the indexer keeps 2 entries) and a sliding-window (4 tokens) attention layer; the
+# first MoE layer hash-routed, top-2 of 8 sqrt-softplus-scored experts in the others; SwiGLU clamped
+# at 0.5 (these weights' scale reaches it)
+CONFIGS["deepseek_v4"] = {
+    "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+    "q_lora_rank": 24, "qk_rope_head_dim": 8, "moe_intermediate_size": 32, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "n_shared_experts": 1, "vocab_size": 101, "max_position_embeddings": 64,
+    "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"],
+    "mlp_layer_types": ["hash_moe", "moe", "moe"], "sliding_window": 4, "o_groups": 2, "o_lora_rank": 16,
+    "index_n_heads": 4, "index_head_dim": 16, "index_topk": 2, "hc_mult": 2, "swiglu_limit": 0.5,
+    "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}}
 # the families without multi-token-prediction layers
 NO_MTP = ("gpt_oss",)
 
@@ -67,6 +79,10 @@ def architecture(family: str) -> Any:
         from miles_plugin_deepseek.arch import DeepseekV3
 
         return DeepseekV3()
+    if family == "deepseek_v4":
+        from miles_plugin_deepseek.arch import DeepseekV4
+
+        return DeepseekV4()
     from miles_plugin_glm.arch import Glm4Moe
 
     return Glm4Moe()
@@ -84,6 +100,8 @@ def hf_model(family: str, seed: int = 0, **over: Any) -> torch.nn.Module:
                 if name.endswith(("norm.weight", "dt_bias")):
                     p.add_(torch.randn(p.shape, generator=g) * 0.1)
         return model.eval()
+    if family == "deepseek_v4":
+        return _v4_weights(model, seed)
     if family in NO_MTP:
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():  # transformers starts the biases at zero, the sinks near it
@@ -102,6 +120,19 @@ def hf_model(family: str, seed: int = 0, **over: Any) -> torch.nn.Module:
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed + 1)) * 0.1)
+    return model.eval()
+
+
+def _v4_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """transformers starts DeepSeek-V4's sinks, position biases, hyper-connection biases and expert
+    bias at zero and its token-id table at expert 0: give each a say (distinct experts per token)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("tid2eid"):
+                t.copy_(torch.rand(t.shape[0], 8, generator=g).argsort(-1)[:, :t.shape[1]])
+            elif name.endswith(("sinks", "position_bias", "hc.base", "hc_base", "e_score_correction_bias")):
+                t.add_(torch.randn(t.shape, generator=g) * 0.5)
     return model.eval()
 
 

@@ -76,19 +76,26 @@ class DeepseekV3:
 
 class DeepseekV4:
     padded_batches = False
+    _hf: Any = None  # the config megatron_arch read, for the layer-spec edit
 
     def megatron_arch(self, hf: Any) -> dict[str, Any]:
-        """Refused: the residual is ``hc_mult`` streams, which megatron-core's layers do not carry."""
+        """Hyper-connections, sqrt-softplus and hash routing in megatron-core's MoE layers, and
+        transformers' own attention module held in each layer (``megatron_v4.py``)."""
+        from .megatron_v4 import megatron_arch
+
+        fields = megatron_arch(hf)
+        self._hf = hf
+        return fields
+
+    def megatron_layer_spec(self, layer_spec: Any) -> Any:
+        """The held attention (``megatron_v4.HeldAttention``) in place of megatron-core's."""
         from miles import MilesError
 
-        # Every layer takes and returns [B, S, hc_mult, hidden] mixed by Sinkhorn-projected weights
-        # (attn_hc, ffn_hc) and the model collapses the streams (hc_head) before its final norm;
-        # megatron-core's TransformerLayer adds one [S, B, hidden] residual, so no Arch field or
-        # core-attention swap reproduces it, whatever the attention and router modules compute.
-        raise MilesError(f"trainer megatron: model.config.hc_mult ({getattr(hf, 'hc_mult', None)}): DeepSeek-V4's "
-                         "manifold-constrained hyper-connections (hc_mult residual streams mixed around every "
-                         "attention and MoE block, collapsed by hc_head before the final norm) are not built "
-                         "from megatron-core's layers; use trainer.name: fsdp2 for deepseek_v4")
+        from .megatron_v4 import layer_spec as edit
+
+        if self._hf is None:
+            raise MilesError("trainer megatron: deepseek_v4's layer spec needs megatron_arch(config) first")
+        return edit(layer_spec, self._hf)
 
     def check_config(self, config: dict[str, Any]) -> list[str]:
         layers = config.get("num_hidden_layers", 43)
