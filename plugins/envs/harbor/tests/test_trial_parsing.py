@@ -1,5 +1,7 @@
 """Harbor rollout details -> samples, on details shaped like harbor serve's (the real server and
 trials are exercised in test_integration.py)."""
+import ast
+import inspect
 import os
 import subprocess
 import sys
@@ -115,14 +117,32 @@ def test_the_agents_weight_versions_reach_the_sample():
     assert (s.weight_version, s.weight_versions) == (7, [7])
 
 
+def imported_modules(module) -> set[str]:
+    """Every module an import statement in ``module``'s source names, at its top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
 
-def test_the_env_tokenizer_and_the_tiny_policy_need_no_pytest(tmp_path):
-    """A user's install runs the connector without test tools: pytest is blocked in a fresh interpreter."""
+
+def test_the_env_tokenizer_and_the_tiny_policy_need_no_pytest():
+    """A user's install runs the connector without test tools: in a fresh interpreter with pytest
+    blocked the env and the tiny policy module import and the env's tokenizer works, and no import
+    in the tiny policy or miles_tinypolicy, the ones inside functions included (torch,
+    transformers), names pytest or miles.testing (the model itself is torch's and transformers':
+    conftest.py writes one)."""
+    import miles_tinypolicy
+    from miles_plugin_harbor import tiny_policy
+
     code = ("import sys; sys.modules['pytest'] = None\n"
             "from miles_plugin_harbor import tiny_policy\n"
             "from miles_plugin_harbor.config import HarborConfig\nfrom miles_plugin_harbor.env import HarborEnv\n"
             "tok = HarborEnv(HarborConfig(chars='ab')).tokenizer()\n"
-            "assert tok('ab', add_special_tokens=False)['input_ids'] == [3, 4]\n"
-            f"tiny_policy.write({str(tmp_path / 'p')!r})")
+            "assert tok('ab', add_special_tokens=False)['input_ids'] == [3, 4]")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert (tmp_path / "p" / "model.safetensors").is_file()
+    names = imported_modules(tiny_policy) | imported_modules(miles_tinypolicy)
+    assert {"miles_tinypolicy", "torch", "transformers"} <= names, names  # the scan sees the lazy imports
+    assert not [n for n in names if n.split(".")[0] in ("pytest", "_pytest") or n.startswith("miles.testing")]

@@ -1,5 +1,7 @@
 """The /run answer -> token sequence conversion and the rollout's failure handling, on answers
 shaped like NeMo Gym's (the real servers are exercised in test_integration.py)."""
+import ast
+import inspect
 import json
 import math
 import os
@@ -171,10 +173,30 @@ def test_demonstrations_are_the_rows_teacher_answers(tmp_path):
         NemoGymEnv(NemoGymConfig(train_file=str(rows))).demonstrations()
 
 
-def test_the_tiny_policy_needs_no_pytest(tmp_path):
-    """A user's install runs the connector without test tools: pytest is blocked in a fresh interpreter."""
+def imported_modules(module) -> set[str]:
+    """Every module an import statement in ``module``'s source names, at its top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_tiny_policy_needs_no_pytest():
+    """A user's install runs the connector without test tools: in a fresh interpreter with pytest
+    blocked the tiny policy module imports and builds its tokenizer, and no import in it or in
+    miles_tinypolicy, the ones inside functions included (torch, transformers), names pytest or
+    miles.testing (the model itself is torch's and transformers': conftest.py writes one)."""
+    import miles_tinypolicy
+    from miles_plugin_nemo_gym import tiny_policy
+
     code = ("import sys; sys.modules['pytest'] = None\n"
-            "from miles_plugin_nemo_gym import tiny_policy\n"
-            f"tiny_policy.main([{str(tmp_path / 'p')!r}, '--seed', '1'])")
+            "from miles_plugin_nemo_gym import tiny_policy\nfrom miles_tinypolicy import char_tokenizer\n"
+            "tok = char_tokenizer(tiny_policy.CHARS, tiny_policy.TEMPLATE)\n"
+            "assert 'torch' not in sys.modules and tok.decode(tok('1+2=')['input_ids']) == '1+2='")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert (tmp_path / "p" / "model.safetensors").is_file() and (tmp_path / "p" / "chat_template.jinja").is_file()
+    names = imported_modules(tiny_policy) | imported_modules(miles_tinypolicy)
+    assert {"miles_tinypolicy", "torch", "transformers"} <= names, names  # the scan sees the lazy imports
+    assert not [n for n in names if n.split(".")[0] in ("pytest", "_pytest") or n.startswith("miles.testing")]
