@@ -60,15 +60,28 @@ def test_a_family_without_megatron_description_is_refused():
         A.arch_of(AutoConfig.for_model("qwen3_next"), None)
 
 
-def test_deepseek_v4_hyper_connections_are_refused_naming_hc_mult():
+def test_deepseek_v4_what_megatron_cannot_build_is_refused():
+    """DeepSeek-V4 builds (test_deepseek_v4.py); its held attention does not split over tensor-parallel
+    ranks, its residual streams are not sent between pipeline stages, and its routers score by
+    sqrt-softplus only."""
     from miles.protocols import BuildsMegatron
-    from miles_plugin_deepseek.arch import DeepseekV4
+    from miles_plugin_megatron import parallel
     from transformers import AutoConfig
 
-    v4 = DeepseekV4()
-    assert isinstance(v4, BuildsMegatron)  # refused by its plugin, not as an unknown family
-    with pytest.raises(MilesError, match=r"model.config.hc_mult \(2\).*use trainer.name: fsdp2"):
-        A.arch_of(AutoConfig.for_model("deepseek_v4", hc_mult=2), v4)
+    def config(**over):
+        return AutoConfig.for_model("deepseek_v4", **{**CONFIGS["deepseek_v4"], **over})
+
+    v4 = architecture("deepseek_v4")
+    assert isinstance(v4, BuildsMegatron)
+    arch = A.arch_of(config(), v4)
+    assert arch.hc_mult == 2 and arch.hf_attention
+    parallel.check_layout(MegatronConfig(device="cpu", expert_parallel=2), arch, 2)
+    with pytest.raises(MilesError, match=r"tensor_parallel=2: this model's attention .* set trainer.tensor_parallel=1"):
+        parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), arch, 2)
+    with pytest.raises(MilesError, match=r"pipeline_parallel=3: .*model.config.hc_mult"):
+        parallel.check_layout(MegatronConfig(device="cpu", pipeline_parallel=3), arch, 3)
+    with pytest.raises(MilesError, match="scoring_func 'sigmoid'"):
+        A.arch_of(config(scoring_func="sigmoid"), v4)
 
 
 def test_routing_megatron_core_cannot_compute_is_refused():
