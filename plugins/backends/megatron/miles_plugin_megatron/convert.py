@@ -1,8 +1,8 @@
 """Hugging Face <-> megatron-core weights for the local-spec ``GPTModel`` (Llama, Qwen2, Qwen3,
 Qwen3-MoE, and families described by their architecture plugin: DeepSeek-V3's multi-latent
 attention, shared experts, expert bias, dense layers among MoE ones; gpt-oss' attention sinks,
-biases and interleaved experts), as pure functions over state dicts so they run (and are tested)
-without a GPU.
+biases and interleaved experts; DeepSeek-V4's hyper-connections, hash tables and held attention),
+as pure functions over state dicts so they run (and are tested) without a GPU.
 
 Three layers of layout:
 * *HF*: the transformers model's own ``state_dict`` names (fused ``mlp.experts.gate_up_proj``
