@@ -50,6 +50,10 @@ class MegatronCriticTrainer(MegatronTrainer):
 
     def __init__(self, cfg: Any, *, algorithm: Any = None, **context: Any):
         super().__init__(cfg, algorithm=algorithm, **context)
+        if self.arch.hc_mult > 1:  # its backbone would end in the streams, not one hidden state
+            raise MilesError(f"trainer megatron: a critic over {self.arch.family}'s {self.arch.hc_mult} "
+                             f"hyper-connection streams (model.config.hc_mult) is not built; use an algorithm "
+                             f"without a critic (grpo) or trainer.name: fsdp2")
         self.critic_lr = (algorithm.critic_lr if isinstance(algorithm, CriticAlgorithm) else None) or cfg.lr
         self.critic: ValueModel | None = None
         self.critic_optim: torch.optim.Optimizer | None = None

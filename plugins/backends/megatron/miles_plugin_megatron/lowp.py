@@ -46,7 +46,8 @@ def check_arch(cfg: Any, arch: Any) -> None:
                                  ("gated attention", arch.attention_gate),
                                  ("linear attention layers", bool(arch.linear_layers)),
                                  ("a gated shared expert", arch.shared_gate),
-                                 ("gpt-oss style experts", arch.glu_alpha is not None or arch.linear_bias)) if on]
+                                 ("gpt-oss style experts", arch.glu_alpha is not None or arch.linear_bias),
+                                 ("transformers' own attention module (DeepSeek-V4)", arch.hf_attention)) if on]
     if odd:
         raise MilesError(f"{key_of(cfg)}: {fmt} with trainer megatron covers standard attention and "
                          f"SwiGLU MLPs / experts; this model has {odd[0]}. Use trainer.name: fsdp2 for it, "

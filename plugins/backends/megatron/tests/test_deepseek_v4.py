@@ -128,3 +128,12 @@ def test_routing_replay(megatron_cpu):
     assert CONFIGS[FAMILY]["mlp_layer_types"][0] == "hash_moe"
     spec = moe_spec(FAMILY)
     check_replay(_trainer(spec, Tok()), spec, batch(rows=4), (0, 1, 2))
+
+
+def test_a_critic_is_refused(megatron_cpu):
+    """PPO's value head reads one hidden state; V4's backbone ends in its streams."""
+    from miles import MilesError
+    from miles_plugin_megatron.critic import MegatronCriticTrainer
+
+    with pytest.raises(MilesError, match=r"critic over deepseek_v4's 2 hyper-connection streams"):
+        MegatronCriticTrainer(MegatronConfig(device="cpu", precision="fp32"), spec=Spec(FAMILY), tokenizer=None)

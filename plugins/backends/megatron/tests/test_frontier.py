@@ -62,8 +62,8 @@ def test_a_family_without_megatron_description_is_refused():
 
 def test_deepseek_v4_what_megatron_cannot_build_is_refused():
     """DeepSeek-V4 builds (test_deepseek_v4.py); its held attention does not split over tensor-parallel
-    ranks, its residual streams are not sent between pipeline stages, and its routers score by
-    sqrt-softplus only."""
+    ranks nor trains in fp8, its residual streams are not sent between pipeline stages, and its
+    routers score by sqrt-softplus only."""
     from miles.protocols import BuildsMegatron
     from miles_plugin_megatron import parallel
     from transformers import AutoConfig
@@ -82,6 +82,10 @@ def test_deepseek_v4_what_megatron_cannot_build_is_refused():
         parallel.check_layout(MegatronConfig(device="cpu", pipeline_parallel=3), arch, 3)
     with pytest.raises(MilesError, match="scoring_func 'sigmoid'"):
         A.arch_of(config(scoring_func="sigmoid"), v4)
+    from miles_plugin_megatron import lowp
+
+    with pytest.raises(MilesError, match="fp8 .* this model has transformers' own attention module"):
+        lowp.check_arch(MegatronConfig(device="cpu", precision="fp8"), arch)
 
 
 def test_routing_megatron_core_cannot_compute_is_refused():
