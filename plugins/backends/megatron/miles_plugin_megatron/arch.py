@@ -454,7 +454,8 @@ def _with_eps(norm: Any, eps: float) -> type:
 def block_spec(arch: Arch, config: Any, edit: Callable[[Any], Any] | None = None, tp: int = 1,
                vp_stage: int | None = None) -> Any:
     """One layer spec for every layer, or, where dense and MoE layers mix (or the final norm is
-    zero-centred), the spec of each layer of this pipeline stage (or virtual chunk)."""
+    zero-centred or collapses hyper-connection streams), the spec of each layer of this pipeline
+    stage (or virtual chunk)."""
     if not arch.dense_layers and not arch.zero_centered_norms and arch.hc_mult == 1:
         return layer_spec(arch, edit, tp)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
