@@ -36,17 +36,19 @@ def test_training_steps_get_rewards_from_the_server(server_url, tmp_path):
 def test_the_recipe_learns(server_url, tmp_path):
     """recipes/openenv.yaml as shipped (warm start on the game's teacher answers, then 40 GRPO steps
     on the server's reward): the sampled train reward (the RL objective) and the greedy eval
-    accuracy on 200 held-out episodes both rise. ~60 s on 2 quiet cores, ~4 min on busy ones."""
+    accuracy on 200 held-out episodes both rise. Evaluated only where measured: after the warm
+    start (step 0) and after the last step."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "miles.cli", "train", str(ROOT / "recipes/openenv.yaml"),
-           f"env.base_url={server_url}", f"run.out_dir={out}", "run.checkpoint_every=100"]
+           f"env.base_url={server_url}", f"run.out_dir={out}", "run.checkpoint_every=100",
+           "run.eval_every=40", "run.warm_start.eval_every=200"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
-    assert len(rewards) == 40 and len(evals) == 3, rows
+    assert len(rewards) == 40 and len(evals) == 2, rows
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, (first, last)
     # the warm start plateaus near the carry-free share (~55%) plus the carries it happens to keep
