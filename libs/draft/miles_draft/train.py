@@ -15,6 +15,7 @@ optimizer step, its state on disk); ``DraftTraining`` runs it on a Hugging Face 
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,9 @@ from .config import DraftConfig
 from .head import DraftHead, attach, embedding_weight, lm_weight
 
 OPTIM_FILE = "draft_optim.pt"
+# the latest supervised phase's head training in this process: the RL phase after a warm start
+# (a trainer of its own, handed only the weights) takes over its AdamW state (``_adopt``)
+_supervised: weakref.ref | None = None
 
 
 def denominators(mask: torch.Tensor, unroll: int) -> list[torch.Tensor]:
@@ -39,9 +43,16 @@ class HeadTraining:
     (a warm start), where the head always learns, even with ``train: false``."""
 
     def __init__(self, cfg: DraftConfig, head: DraftHead, supervised: bool = False):
+        global _supervised
         self.cfg, self.head = cfg, head
         self.active = cfg.train or supervised
         self.optim = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self._warm: tuple[dict, dict] | None = None
+        warm = _supervised() if _supervised is not None else None
+        if supervised:
+            _supervised = weakref.ref(self)
+        elif warm is not None and cfg.train:  # the warm start's head and optimizer, as they ended
+            self._warm = ({k: v.detach() for k, v in warm.head.state_dict().items()}, warm.optim.state_dict())
 
     def loss(self, hidden: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
              embedding: torch.Tensor, lm_head: torch.Tensor,
@@ -69,6 +80,7 @@ class HeadTraining:
     def update(self, reduce: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
         """One optimizer step on the gradients the losses left; ``reduce(params)`` first sums them
         over the ranks that trained on other rows (so every replica takes the same step)."""
+        self._adopt()
         params = list(self.head.parameters())
         if reduce is not None:
             reduce(params)
@@ -77,11 +89,23 @@ class HeadTraining:
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
 
+    def _adopt(self) -> None:
+        """Before the first RL update: the warm start's AdamW state if this head starts from the
+        warm start's weights (a fresh state's first steps, of about ``lr`` on every weight, undo
+        much of what the warm start taught; an unrelated head keeps its fresh state)."""
+        warm, self._warm = self._warm, None
+        if warm is None:
+            return
+        state = self.head.state_dict()
+        if state.keys() == warm[0].keys() and all(torch.equal(state[k], warm[0][k].to(state[k].device)) for k in state):
+            self.optim.load_state_dict(warm[1])
+
     def save(self, path: str) -> None:
         torch.save(self.optim.state_dict(), os.path.join(path, OPTIM_FILE))
 
     def load(self, path: str) -> None:
         """The optimizer state saved beside a checkpoint (the head's weights come with the model's)."""
+        self._warm = None  # a checkpoint's own state wins
         file = os.path.join(path, OPTIM_FILE)
         if os.path.exists(file):  # weights_only: a planted file cannot run code
             self.optim.load_state_dict(torch.load(file, weights_only=True))

@@ -44,3 +44,39 @@ def test_frozen_heads_do_not_train_in_rl_but_do_in_supervised_phases():
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=16))
     assert DraftTraining(DraftConfig(train=False), model).step(model, _batch(4)) == {}
     assert "draft_loss" in DraftTraining(DraftConfig(train=False), model, supervised=True).step(model, _batch(4))
+
+
+def _model(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=16,
+                                        max_position_embeddings=32, tie_word_embeddings=True))
+
+
+def test_rl_takes_over_the_warm_starts_optimizer_state():
+    """An RL phase's head that starts from the warm start's weights (a new trainer, handed the
+    weights) continues the warm start's AdamW state: its first update is a small step on from
+    where the warm start ended instead of a fresh AdamW's ``lr``-sized one on every weight, so its
+    loss does not jump; a head with other weights keeps a fresh state."""
+    batch, cfg = _batch(), DraftConfig(lr=1e-2)
+    warm_model = _model()
+    warm = DraftTraining(cfg, warm_model, supervised=True)
+    for _ in range(40):
+        warm.step(warm_model, batch)
+    weights = dict(warm_model.state_dict())
+    after = {}
+    for name in ("fresh", "carried"):
+        model = _model()
+        rl = DraftTraining(cfg, model)
+        if name == "fresh":
+            rl._warm = None  # as a run whose RL phase has no warm start in its process
+        model.load_state_dict(weights)
+        before = rl.step(model, batch)["draft_loss"]
+        after[name] = rl.step(model, batch)["draft_loss"]
+        steps = {int(s["step"]) for s in rl.optim.state_dict()["state"].values()}
+        assert steps == ({42} if name == "carried" else {2}), (name, steps)
+    assert after["carried"] <= before * 1.05 < after["fresh"], (before, after)
+    other = _model(1)
+    rl = DraftTraining(cfg, other)  # not the warm start's head: fresh state
+    rl.step(other, batch)
+    assert {int(s["step"]) for s in rl.optim.state_dict()["state"].values()} == {1}
