@@ -1,14 +1,23 @@
-"""The EAGLE-style draft head: one layer on the target model's own hidden states.
+"""The EAGLE-style draft head: one decoder layer on the target model's own hidden states.
 
-Input at position ``j``: the target's final (normed) hidden state ``h_j`` and the embedding of
-the token at ``j + 1``; output: a feature in the same space, whose logits through the target's
-own LM head are the draft distribution of the token at ``j + 2``. Drafting ``k`` tokens chains
-the head on its own output features (EAGLE's feature-level autoregression), so one target
-forward per step is all the context the head needs: it has no attention and no cache of its own.
+Its entry at position ``j`` fuses the target's final (normed) hidden state ``h_j`` with the
+embedding of the token at ``j + 1`` (``fc``); causal self-attention over the entries of positions
+``<= j`` of the same sequence and a gated MLP then give a feature in the target's hidden space,
+whose logits through the target's own LM head are the draft distribution of the token at
+``j + 2``. Attention lets the head copy tokens from the prompt or a tool's output. Drafting ``k``
+tokens chains the head on its own output features (EAGLE's feature-level autoregression): the
+chained entries are attended by the later steps of the same chain. The attention carries no
+position encoding (the target's features carry position, and left padding then changes nothing).
 The head reuses the target's embedding and LM head (no weights of its own there), so it is small:
-one ``2d -> d`` projection and a gated MLP of the target's intermediate width.
+one ``2d -> d`` projection, one attention block of the target's head count and a gated MLP of the
+target's intermediate width.
+
+``chains`` is the whole-sequence form training uses; the engine's drafter (``HeadDrafter``)
+computes the same with a KV cache of its own.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +30,13 @@ NAME = PREFIX.rstrip(".")  # the submodule's name on the target model
 
 
 class DraftHead(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, eps: float = 1e-6):
+    def __init__(self, hidden: int, intermediate: int, heads: int, head_dim: int, eps: float = 1e-6):
         super().__init__()
+        self.heads, self.head_dim, self.scale = heads, head_dim, head_dim ** -0.5
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.attn_norm = nn.RMSNorm(hidden, eps=eps)
+        self.qkv = nn.Linear(hidden, 3 * heads * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, hidden, bias=False)
         self.mlp_norm = nn.RMSNorm(hidden, eps=eps)
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
@@ -31,13 +44,70 @@ class DraftHead(nn.Module):
         with torch.no_grad():  # start as "the target's next-token guess": fc passes the feature through
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden].copy_(torch.eye(hidden))
+            self.o.weight.mul_(0.1)
             self.down.weight.mul_(0.1)
 
-    def forward(self, feature: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        """``[..., d]`` feature and token embedding -> ``[..., d]`` normed output feature."""
+    def project(self, feature: torch.Tensor, embedding: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """An entry from ``[..., d]`` feature and token embedding: the fused ``x [..., d]`` and its
+        query, key and value ``[..., heads, head_dim]``."""
         x = self.fc(torch.cat([feature, embedding], dim=-1))
+        q, k, v = self.qkv(self.attn_norm(x)).unflatten(-1, (3, self.heads, self.head_dim)).unbind(-3)
+        return x, q, k, v
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The normed output feature ``[..., d]`` of an entry ``x`` and its attention output
+        ``[..., heads, head_dim]``."""
+        x = x + self.o(attended.flatten(-2))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return self.norm(x + self.down(F.silu(gate) * up))
+
+    def chains(self, hidden: torch.Tensor, next_embedding: torch.Tensor, index: torch.Tensor, steps: int,
+               feed: Callable[[int, torch.Tensor], torch.Tensor],
+               keys: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Output features ``[B, C, d]`` of drafting steps ``1 .. steps`` from each chain start.
+
+        ``hidden [B, S, d]``: the target's states at positions ``0 .. S-1``; ``next_embedding
+        [B, S, d]``: the embedding of the token after each; ``index [B, C]``: the chain starts
+        (the position whose state and next token step 1 reads); ``feed(s, feature)``: the
+        embeddings ``[B, C, d]`` of the tokens step ``s + 1`` reads (the true ones in training, the
+        drafts in drafting); ``keys [B, S]``: positions that may be attended (False: padding).
+        Step ``s`` of chain ``c`` attends the entries at positions ``<= c`` and the chain's own
+        entries of steps ``2 .. s`` (positions ``c + 1 .. c + s - 1``), as drafting does."""
+        B, S, _ = hidden.shape
+        _, _, k1, v1 = self.project(hidden, next_embedding)  # [B, S, H, D]: every position's entry
+        at = torch.arange(S, device=hidden.device)
+        allowed = at <= index[..., None]  # [B, C, S]
+        if keys is not None:  # a padded start still attends itself: no row without a key
+            allowed = allowed & (keys[:, None, :].bool() | (at == index[..., None]))
+        start = index[..., None].expand(-1, -1, hidden.shape[-1])
+        feature, emb = hidden.gather(1, start), next_embedding.gather(1, start)
+        own_k: list[torch.Tensor] = []
+        own_v: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        for s in range(1, steps + 1):
+            if s > 1:
+                feature, emb = outs[-1], feed(s - 1, outs[-1])
+            x, q, k, v = self.project(feature, emb)  # [B, C, H, D]
+            if s > 1:
+                own_k.append(k)
+                own_v.append(v)
+            scores = torch.einsum("bchd,bshd->bhcs", q, k1) * self.scale
+            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            own = [torch.einsum("bchd,bchd->bhc", q, kk)[..., None] * self.scale for kk in own_k]
+            w = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(q.dtype)
+            o = torch.einsum("bhcs,bshd->bchd", w[..., :S], v1)
+            for i, vv in enumerate(own_v):
+                o = o + w[..., S + i].transpose(1, 2)[..., None] * vv
+            outs.append(self.finish(x, o))
+        return outs
+
+
+def attend(head: DraftHead, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A query ``[B, H, D]`` over cached keys/values ``[B, L, H, D]`` where ``mask [B, L]``: ``[B, H, D]``
+    (the engine's form of ``DraftHead.chains``' attention)."""
+    scores = torch.einsum("bhd,blhd->bhl", q, k) * head.scale
+    w = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")).float(), dim=-1).to(q.dtype)
+    return torch.einsum("bhl,blhd->bhd", w, v)
 
 
 def head_of(model: nn.Module) -> DraftHead | None:
@@ -61,8 +131,11 @@ def attach(model: nn.Module) -> DraftHead:
 def make_head(config, device: torch.device, dtype: torch.dtype) -> DraftHead:
     """A fresh head for a model of Hugging Face ``config``: every trainer and the engine size it
     alike, so a head trained by one loads into the other."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     with torch.random.fork_rng(devices=[]):  # the run's own random stream stays as without a draft
-        head = DraftHead(config.hidden_size, config.intermediate_size, getattr(config, "rms_norm_eps", 1e-6))
+        head = DraftHead(config.hidden_size, config.intermediate_size, heads, head_dim,
+                         getattr(config, "rms_norm_eps", 1e-6))
     return head.to(device=device, dtype=dtype)
 
 

@@ -4,8 +4,9 @@ After the policy's update, the head learns from the step's own sequences: the po
 gradient) gives its final hidden states and next-token distributions, and the head, fed the
 hidden state at ``j`` and the token at ``j + 1``, is trained toward the policy's distribution of
 the token at ``j + 2`` (a KL, i.e. cross-entropy on soft targets), on response positions only
-(the tokens it will draft). ``unroll`` steps chain the head on its own features, as drafting
-does. The head has its own optimizer and clip: nothing reaches the policy's gradients.
+(the tokens it will draft), its attention over the whole sequence (prompt included) under a
+causal mask. ``unroll`` steps chain the head on its own features, as drafting does
+(``DraftHead.chains``). The head has its own optimizer and clip: nothing reaches the policy's gradients.
 
 ``HeadTraining`` is the part every trainer shares (the loss over given hidden states, the
 optimizer step, its state on disk); ``DraftTraining`` runs it on a Hugging Face model whose
@@ -54,21 +55,30 @@ class HeadTraining:
         elif warm is not None and cfg.train:  # the warm start's head and optimizer, as they ended
             self._warm = ({k: v.detach() for k, v in warm.head.state_dict().items()}, warm.optim.state_dict())
 
-    def loss(self, hidden: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-             embedding: torch.Tensor, lm_head: torch.Tensor,
-             denoms: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The head's loss on rows of response positions: ``hidden [B, R, d]`` the policy's final
-        hidden state before each response token, ``target [B, R - 1, V]`` its log-probs of
-        response tokens ``1 .. R - 1`` (the head, fed the state before token ``i`` and token ``i``,
-        predicts token ``i + 1``), ``ids``/``mask [B, R]`` the response tokens and which are trained,
-        ``embedding``/``lm_head [V, d]`` the policy's (detached). ``denoms``: ``denominators`` of
-        the whole batch. Metrics (this part's share of the batch's): ``draft_loss`` (KL to the
-        policy, step 1), ``draft_top1`` (the head's argmax is the policy's)."""
-        R = ids.shape[1]
-        feats, losses, metrics = hidden.to(self.head.fc.weight.dtype), [], {}
-        for s in range(1, len(denoms) + 1):
-            feats = self.head(feats[:, :R - s], F.embedding(ids[:, s - 1:R - 1], embedding).to(feats.dtype))
-            logq = torch.log_softmax(F.linear(feats, lm_head.to(feats.dtype)).float(), dim=-1)
+    def loss(self, hidden: torch.Tensor, nxt: torch.Tensor, index: torch.Tensor, target: torch.Tensor,
+             mask: torch.Tensor, embedding: torch.Tensor, lm_head: torch.Tensor, denoms: list[torch.Tensor],
+             keys: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The head's loss on rows of response positions. ``hidden [B, S, d]``: the policy's final
+        hidden states at positions ``0 .. S-1`` (the context the head attends), ``nxt [B, S]`` the
+        token after each, ``keys [B, S]`` positions that may be attended (None: all; padding
+        excluded), ``index [B, R]`` the position before each response token; ``target [B, R - 1, V]``
+        the policy's log-probs of response tokens ``1 .. R - 1`` (the head, fed the state before token
+        ``i`` and token ``i``, predicts token ``i + 1``), ``mask [B, R]`` which response tokens are
+        trained, ``embedding``/``lm_head [V, d]`` the policy's (detached). ``denoms``:
+        ``denominators`` of the whole batch. Metrics (this part's share of the batch's):
+        ``draft_loss`` (KL to the policy, step 1), ``draft_top1`` (the head's argmax is the policy's)."""
+        R, S = mask.shape[1], hidden.shape[1]
+        dtype = self.head.fc.weight.dtype
+        hidden, embedding = hidden.to(dtype), embedding.to(dtype)
+        starts = index[:, :R - 1]  # chains whose first draft is a scored response token
+
+        def feed(s: int, _feature: torch.Tensor) -> torch.Tensor:  # step s + 1 reads the true token
+            return F.embedding(nxt.gather(1, (starts + s).clamp(max=S - 1)), embedding)
+
+        outs = self.head.chains(hidden, F.embedding(nxt, embedding), starts, len(denoms), feed, keys)
+        losses, metrics = [], {}
+        for s, feats in enumerate(outs, start=1):
+            logq = torch.log_softmax(F.linear(feats[:, :R - s], lm_head.to(dtype)).float(), dim=-1)
             logp, m = target[:, s - 1:R - 1].float(), mask[:, s:R].float()
             kl = (logp.exp() * (logp - logq)).sum(-1)
             losses.append((kl * m).sum() / denoms[s - 1])
@@ -128,12 +138,13 @@ class DraftTraining(HeadTraining):
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         position_ids=batch.position_ids, use_cache=False, output_hidden_states=True,
                         logits_to_keep=R)
-            hidden = out.hidden_states[-1][:, P - 1:-1].detach()  # h_j, j = P-1 .. L-2
+            hidden = out.hidden_states[-1][:, :-1].detach()  # h_j, j = 0 .. L-2
             target = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)  # policy at columns P .. L-2
-        mask = batch.loss_mask.to(hidden.device)
+        mask, ids = batch.loss_mask.to(hidden.device), batch.input_ids
+        index = (P - 1 + torch.arange(R, device=ids.device)).expand(ids.shape[0], R)
         self.optim.zero_grad(set_to_none=True)
-        loss, metrics = self.loss(hidden, target, batch.input_ids[:, P:], mask, embedding_weight(model),
-                                  lm_weight(model), denominators(mask, self.cfg.unroll))
+        loss, metrics = self.loss(hidden, ids[:, 1:], index, target, mask, embedding_weight(model), lm_weight(model),
+                                  denominators(mask, self.cfg.unroll), keys=batch.attention_mask[:, :-1])
         loss.backward()
         self.update()
         return {k: float(v) for k, v in metrics.items()}

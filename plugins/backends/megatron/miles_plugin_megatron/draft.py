@@ -2,8 +2,9 @@
 
 After each policy update the head takes one step of its own (``miles_draft.train.HeadTraining``:
 its own AdamW, lr, loss weight and clip) on the step's rows: a no-grad forward of the updated
-policy gives the final (normed) hidden states, caught as the input of the output layer, and the
-logits, gathered over the tensor-parallel vocabulary shards. With tensor parallelism (sequence
+policy gives the final (normed) hidden states of whole rows (the head attends the prompt too),
+caught as the input of the output layer, and the logits, gathered over the tensor-parallel
+vocabulary shards. With tensor parallelism (sequence
 parallelism off) every rank of a TP group holds the same hidden states and the same gathered
 logits, so each rank trains its own replica of the head on the same data and takes the same step:
 no broadcast of the head is needed. Data-parallel ranks train on their own rows and sum the
@@ -66,18 +67,19 @@ class MegatronDraft(HeadTraining):
                 caught.clear()
                 with torch.no_grad():
                     logits = trainer._forward(model, run)  # [B, S, V / tp]
-                    index = right_aligned(run)[1][..., None]  # the positions before each response token
-                    hidden = caught[0].transpose(0, 1)  # [S, B, H] -> [B, S, H]
-                    hidden = hidden.gather(1, index.expand(-1, -1, hidden.shape[-1])).float()
-                    after = index[:, 1:]  # the positions of response tokens 0 .. R-2: they predict 1 .. R-1
+                    shifted, index = right_aligned(run)  # rows from position 0; positions before response tokens
+                    hidden = caught[0].transpose(0, 1).float()  # [S, B, H] -> [B, S, H]: the head attends all of it
+                    after = index[:, 1:, None]  # the positions of response tokens 0 .. R-2: they predict 1 .. R-1
                     logits = logits.gather(1, after.expand(-1, -1, logits.shape[-1]))
                     full = torch.cat(par.all_gather(logits, trainer.ps.get_tensor_model_parallel_group()), -1)
                     target = torch.log_softmax(full[..., :trainer.arch.vocab].float(), dim=-1)
                 if real is None:  # a rank out of rows ran only for the collectives
                     continue
                 n = len(real)
-                loss, metrics = self.loss(hidden[:n], target[:n], real.input_ids[:, real.prompt_len:],
-                                          real.loss_mask, embedding, lm_head, denoms)
+                # causal attention from position 0 of each row: no padding before a chain start
+                nxt = torch.nn.functional.pad(shifted[:n, 1:], (0, 1))
+                loss, metrics = self.loss(hidden[:n], nxt, index[:n], target[:n], real.loss_mask, embedding,
+                                          lm_head, denoms)
                 loss.backward()
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0) + v.detach()

@@ -130,7 +130,8 @@ class SpecGenerator(FastGenerator):
         self.max_batch = auto_max_batch(fwd.device, cfg.cuda_graphs) if limit == "auto" else limit
         # the step reads cache positions below a length bucket unless every forward is Triton's
         draft_fwd = getattr(drafter, "fwd", None)
-        self._bucketed = not (fwd.use_triton and (draft_fwd is None or draft_fwd.use_triton))
+        self._bucketed = getattr(drafter, "reads_length", False) or not (
+            fwd.use_triton and (draft_fwd is None or draft_fwd.use_triton))
         self.totals = {"steps": 0, "emitted": 0, "accepted": 0}  # row-steps; drained by the engine
         self.accept_rate: float | None = None  # drafts accepted / drafted in the last generate call
 
@@ -173,7 +174,7 @@ class SpecGenerator(FastGenerator):
         at = torch.arange(ids.shape[0], device=ids.device)
         last = hidden[at, lengths - 1]
         self.drafter.join(rows, last.repeat_interleave(repeats, dim=0),
-                          ids[at, lengths - 1].repeat_interleave(repeats), ids, lengths, repeats)
+                          ids[at, lengths - 1].repeat_interleave(repeats), ids, lengths, repeats, hidden)
         return lm_logits(self.fwd, last)
 
     def _retire_finished(self, live: int, t: int, check_done: bool) -> int:
@@ -241,8 +242,8 @@ class SpecGenerator(FastGenerator):
         r.done[:live] |= first_stop < n
         prev = torch.where(n > 1, tokens[at, (n - 2).clamp(min=0)], run.tok[:live])
         run.tok[:live] = tokens[at, n - 1]
+        self.drafter.commit(live, hidden, tokens, n, run.pos[:live], prev)
         run.pos[:live] += n
-        self.drafter.commit(live, hidden[at, n - 1], prev)
         self.totals["steps"] += live
         self.totals["emitted"] = n.sum() + self.totals["emitted"]  # on the device: no sync
         self.totals["accepted"] = accepted.sum() + self.totals["accepted"]
