@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import yaml
 
@@ -29,6 +29,7 @@ from .protocols import (BuildsBatches, Console, CriticAlgorithm, Distributed, Ex
                         SendsPacked, SuppliesSamples, SyncFilter, UsesTokenizer)
 from .protocols import EngineStats, Recorder
 from .rewardclock import StepShare
+from .syncviews import PackedView, SyncView
 from .rollouts import ModeContext, RolloutService
 from .taskorder import TaskOrder
 from .types import Batch, Sample, SamplingParams
@@ -53,33 +54,6 @@ class Interrupted(MilesError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class SyncView:
-    """The trainer as a transport sees it when the model spec is a ``SyncFilter``: only the weights
-    it accepts (those training changes) are sent. ``rank``: only rank 0 talks to engines."""
-
-    def __init__(self, trainer: Any, keep: Any) -> None:
-        self._trainer, self._keep = trainer, keep
-        self.rank = trainer.rank if isinstance(trainer, Distributed) else 0
-
-    def named_weights(self) -> Iterator[tuple[str, Any]]:
-        return ((n, t) for n, t in self._trainer.named_weights() if self._keep(n))
-
-
-class PackedView:
-    """The trainer as a transport sees it when it computes with rounded weights (``SendsPacked``):
-    the engines get those weights packed, the ones the trainer's forward used. Everything else
-    (rank, world size, collectives) is the trainer's."""
-
-    def __init__(self, trainer: Any) -> None:
-        self._trainer = trainer
-
-    def named_weights(self) -> Iterator[tuple[str, Any]]:
-        return self._trainer.packed_weights()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._trainer, name)
 
 
 def initial_model(pm: MilesPluginManager, cfg: Config, path: str) -> None:
