@@ -73,6 +73,8 @@ class Loop:
         self.pm, self.cfg = pm, cfg
         self.seed = cfg.run.seed
         self.version = 0
+        # the eval metrics of a weight version: a warm start's last evaluation is step 0's
+        self._evaluated: tuple[int, dict[str, float]] | None = None
         self.loggers: list[Any] = []
         self.rank = int(os.environ.get("RANK", "0"))
         self.main = self.rank == 0
@@ -172,7 +174,11 @@ class Loop:
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the eval split (a reward >= 1 is correct), the mean reward and the
         rollout component's own metrics prefixed ``eval_``, rolled out by rank 0 and shared with
-        every rank (an engine that restarted meanwhile is re-synced first, as in a training step)."""
+        every rank (an engine that restarted meanwhile is re-synced first, as in a training step).
+        A weight version is evaluated once: asked again (the first RL step after a warm start that
+        ended on an evaluation), the same metrics come back."""
+        if self._evaluated is not None and self._evaluated[0] == self.version:
+            return dict(self._evaluated[1])
         self.mode.finish_push()
 
         def run() -> dict[str, float]:
@@ -183,7 +189,9 @@ class Loop:
             return {"eval_accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
                     "eval_reward_mean": sum(rewards) / max(len(rewards), 1),
                     **{f"eval_{k}": v for k, v in extra.items()}}
-        return self.gather(run)
+        m = self.gather(run)
+        self._evaluated = (self.version, dict(m))
+        return m
 
     def sync(self, wait: bool = True) -> dict[str, float]:
         """Push the trainer's weights to the engines as ``self.version``, through the run mode:

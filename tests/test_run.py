@@ -55,6 +55,12 @@ def test_tiny_run_logs_every_step_and_evaluates(tiny_run):
     assert [g["step"] for g in got if "eval_accuracy" in g] == [0, 3, 6]
     assert (out / "config.yaml").is_file() and (out / "warm_start.jsonl").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004", "step_000006"]
+    # step 0 holds the warm start's last weights, which it evaluated last: that evaluation is step 0's
+    warm = [json.loads(line) for line in (out / "warm_start.jsonl").read_text().splitlines()]
+    assert {k: v for k, v in warm[-1].items() if k.startswith("eval_")} == \
+        {k: v for k, v in got[0].items() if k.startswith("eval_")}
+    timeline = [json.loads(line) for line in (out / "telemetry" / "timeline.jsonl").read_text().splitlines()]
+    assert sum(s[0] == "eval" for s in timeline[0]["spans"]) == len(warm)  # none more for step 0
 
 
 def test_rerun_resumes_without_repeating(tiny_run, tmp_path, capsys):
