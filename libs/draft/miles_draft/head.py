@@ -76,29 +76,25 @@ class DraftHead(nn.Module):
         B, S, _ = hidden.shape
         _, _, k1, v1 = self.project(hidden, next_embedding)  # [B, S, H, D]: every position's entry
         at = torch.arange(S, device=hidden.device)
-        allowed = at <= index[..., None]  # [B, C, S]
+        mask = at <= index[..., None]  # [B, C, S]
         if keys is not None:  # a padded start still attends itself: no row without a key
-            allowed = allowed & (keys[:, None, :].bool() | (at == index[..., None]))
+            mask = mask & (keys[:, None, :].bool() | (at == index[..., None]))
+        own = torch.eye(index.shape[1], dtype=torch.bool, device=hidden.device).expand(B, -1, -1)
         start = index[..., None].expand(-1, -1, hidden.shape[-1])
         feature, emb = hidden.gather(1, start), next_embedding.gather(1, start)
-        own_k: list[torch.Tensor] = []
-        own_v: list[torch.Tensor] = []
-        outs: list[torch.Tensor] = []
+        ks, vs, outs = [k1], [v1], []
         for s in range(1, steps + 1):
             if s > 1:
                 feature, emb = outs[-1], feed(s - 1, outs[-1])
             x, q, k, v = self.project(feature, emb)  # [B, C, H, D]
-            if s > 1:
-                own_k.append(k)
-                own_v.append(v)
-            scores = torch.einsum("bchd,bshd->bhcs", q, k1) * self.scale
-            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            own = [torch.einsum("bchd,bchd->bhc", q, kk)[..., None] * self.scale for kk in own_k]
-            w = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(q.dtype)
-            o = torch.einsum("bhcs,bshd->bchd", w[..., :S], v1)
-            for i, vv in enumerate(own_v):
-                o = o + w[..., S + i].transpose(1, 2)[..., None] * vv
-            outs.append(self.finish(x, o))
+            if s > 1:  # the chain's entry of step s: a key of its own chain's later steps only
+                ks.append(k)
+                vs.append(v)
+                mask = torch.cat([mask, own], dim=-1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(ks, 1).transpose(1, 2),
+                                               torch.cat(vs, 1).transpose(1, 2), attn_mask=mask[:, None],
+                                               scale=self.scale)
+            outs.append(self.finish(x, o.transpose(1, 2)))
         return outs
 
 
