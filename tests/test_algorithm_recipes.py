@@ -45,6 +45,16 @@ recipe_fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(recipe_fixtures)
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """``run.threads`` sets this process's torch thread count; later tests in the worker keep theirs."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def warm_run(tmp_path_factory) -> Path:
     out = recipe_fixtures.warm_run(tmp_path_factory)
