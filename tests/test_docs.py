@@ -8,8 +8,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 COMMANDS = [
-    "pip install -r requirements.txt && miles train recipes/quickstart.yaml",
-    "pip install -r requirements.txt && python -m pytest",
+    "pip install -U setuptools && pip install --no-build-isolation -r requirements.txt && miles train "
+    "recipes/quickstart.yaml",
+    "pip install -U setuptools && pip install --no-build-isolation -r requirements.txt && python -m pytest",
 ]
 # The check, `grep -rniE '...' README.md benchmarks kernel plugins libs recipes tests`;
 # "[ ]" keeps this file's own copy of the phrase from matching it.
