@@ -25,7 +25,8 @@ add its torch and transformers imports to each test. They use one torch thread (
 the recipes say 2): on a busy 2-core machine the models scored through their own forward (PPO's
 critic, the reference) spin a 2-thread OpenMP team, 3.6x the CPU time of one thread for PPO, and
 the first steps' losses, rewards and evaluations of every algorithm here were the same with 1 and
-2 threads (to float rounding), so the gains above hold.
+2 threads (to float rounding), so the gains above hold; the full runs gained gspo +0.26, ppo
++0.25, reinforce_pp +0.26, baseline +0.24 (from 0.53).
 """
 from __future__ import annotations
 
