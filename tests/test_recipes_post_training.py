@@ -109,11 +109,12 @@ def test_distill_recipe_beats_the_students_start(warm_base, sft_run):
     assert accuracy(rows_teacher)[-1] > acc[0] + 0.05  # the teacher is the stronger model
     # measured with this fixture's teacher (0.76) from a 0.57 student: +0.138 and +0.126 after
     # 100 steps (seeds 0, 1); with a 0.90 teacher: +0.25 after 100, +0.27 after 200; from the
-    # shared 0.53 student: +0.24 after 100 with this fixture's 0.84 teacher, +0.09 with a 0.70
-    # one (SFT cut to 300 steps: too weak a teacher for this margin)
+    # shared 0.53 student with this fixture's 0.84 teacher: +0.24 / +0.23 / +0.26 after 100 (seeds
+    # 0, 1, 2); +0.09 with a 0.70 one (SFT cut to 300 steps: too weak a teacher for this margin)
     assert acc[-1] - acc[0] >= 0.06, acc
     kl = [r["distill_reverse_kl"] for r in rows if "distill_reverse_kl" in r]
     # the student moves towards the teacher: the reverse KL estimate fell to 0.36-0.42 of its start
+    # (0.31-0.34 from the shared student)
     assert sum(kl[-10:]) < 0.6 * sum(kl[:10]), kl
 
 
