@@ -70,7 +70,7 @@ def test_config_pairs_and_refusals(megatron_cpu):
         from miles_plugin_megatron.lowp import check_arch
         check_arch(cfg.model_copy(update={"precision": "mxfp8"}),
                    SimpleNamespace(kv_lora_rank=512, attention_gate=False, linear_layers=(), shared_gate=False,
-                                   glu_alpha=None, linear_bias=False))
+                                   glu_alpha=None, linear_bias=False, hf_attention=False))
     from miles_plugin_megatron.lowp import check_shards
 
     w = torch.zeros(64, 32)
