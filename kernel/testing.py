@@ -5,7 +5,9 @@ In a ``conftest.py``, ``from miles.testing import *  # noqa`` also brings the fi
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -21,7 +23,7 @@ from miles_tinypolicy import char_tokenizer
 
 __all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration",
            "listening_port", "run_module", "assert_usage_error", "require_commands", "start_server", "server_url",
-           "served", "fit_answers"]
+           "served", "fit_answers", "imported_modules"]
 
 
 @pytest.fixture
@@ -200,3 +202,15 @@ def fit_answers(model: Any, rows: Sequence[tuple[list[int], int]], pad_id: int, 
     finally:
         torch.set_num_threads(threads)
     return model.eval()
+
+
+def imported_modules(module: Any) -> set[str]:
+    """Every module an import statement in ``module``'s source names, at its top or inside a
+    function (what a dependency check must see: imports run only when their function does)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names

@@ -1,13 +1,12 @@
 """Harbor rollout details -> samples, on details shaped like harbor serve's (the real server and
 trials are exercised in test_integration.py)."""
-import ast
-import inspect
 import os
 import subprocess
 import sys
 
 import pytest
 from miles import MilesError, Task
+from miles.testing import imported_modules
 from miles.types import Status
 from miles_plugin_harbor.config import HarborConfig, HarborRolloutConfig
 from miles_plugin_harbor.env import HarborEnv, task_folders
@@ -115,17 +114,6 @@ def test_the_agents_weight_versions_reach_the_sample():
     del turns["extra"]
     s = HarborRollout(HarborRolloutConfig())._sample(task, detail({"reward": 0.5}, [turns]), Tok(), 7)
     assert (s.weight_version, s.weight_versions) == (7, [7])
-
-
-def imported_modules(module) -> set[str]:
-    """Every module an import statement in ``module``'s source names, at its top or inside a function."""
-    names = set()
-    for node in ast.walk(ast.parse(inspect.getsource(module))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names.add(node.module)
-    return names
 
 
 def test_the_env_tokenizer_and_the_tiny_policy_need_no_pytest():

@@ -1,7 +1,5 @@
 """The /run answer -> token sequence conversion and the rollout's failure handling, on answers
 shaped like NeMo Gym's (the real servers are exercised in test_integration.py)."""
-import ast
-import inspect
 import json
 import math
 import os
@@ -13,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from miles import MilesError, SamplingParams, Task
+from miles.testing import imported_modules
 from miles.types import Status
 from miles_plugin_nemo_gym.config import NemoGymConfig, NemoGymRolloutConfig
 from miles_plugin_nemo_gym.env import NemoGymEnv, load_rows
@@ -171,17 +170,6 @@ def test_demonstrations_are_the_rows_teacher_answers(tmp_path):
     rows.write_text('{"responses_create_params": {"input": "1+1="}, "expected_answer": "2"}\n')
     with pytest.raises(MilesError, match="env.demo_field"):
         NemoGymEnv(NemoGymConfig(train_file=str(rows))).demonstrations()
-
-
-def imported_modules(module) -> set[str]:
-    """Every module an import statement in ``module``'s source names, at its top or inside a function."""
-    names = set()
-    for node in ast.walk(ast.parse(inspect.getsource(module))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names.add(node.module)
-    return names
 
 
 def test_the_tiny_policy_needs_no_pytest():
