@@ -19,3 +19,8 @@ class DraftConfig(BaseModel):
     unroll: int = Field(2, ge=1, le=8, description="drafting steps unrolled in training: step s feeds the head "
                         "its own feature from step s-1, as drafting k > 1 tokens does")
     grad_clip: float | None = Field(1.0, gt=0, description="the head's own gradient-norm clip (null: none)")
+    updates_per_step: int = Field(1, ge=1, le=64, description="optimizer updates of the head per RL step, each a "
+                                  "pass over the step's rollouts (the policy's hidden states and targets are "
+                                  "computed once); more lets the head keep up with a policy that drifts fast. "
+                                  "The warm start's supervised steps take one. The reported draft_loss and "
+                                  "draft_top1 are the first pass's (before this step's updates)")

@@ -47,6 +47,9 @@ class HeadTraining:
         global _supervised
         self.cfg, self.head = cfg, head
         self.active = cfg.train or supervised
+        # passes over each RL step's rows; the warm start keeps one so a frozen head is the same
+        # whatever the online arm's setting
+        self.passes = 1 if supervised else cfg.updates_per_step
         self.optim = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=0.0)
         self._warm: tuple[dict, dict] | None = None
         warm = _supervised() if _supervised is not None else None
@@ -128,7 +131,8 @@ class DraftTraining(HeadTraining):
         super().__init__(cfg, attach(model), supervised)
 
     def step(self, model: torch.nn.Module, batch: Any) -> dict[str, float]:
-        """One optimizer step of the head on ``batch`` (a ``miles.Batch`` of token rows)."""
+        """``passes`` optimizer steps of the head on ``batch`` (a ``miles.Batch`` of token rows), the
+        policy's forward run once; the metrics are the first pass's."""
         if not self.active or batch.input_ids is None or batch.attention_mask.dim() != 2:
             return {}
         P, R = batch.prompt_len, batch.input_ids.shape[1] - batch.prompt_len
@@ -142,9 +146,13 @@ class DraftTraining(HeadTraining):
             target = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)  # policy at columns P .. L-2
         mask, ids = batch.loss_mask.to(hidden.device), batch.input_ids
         index = (P - 1 + torch.arange(R, device=ids.device)).expand(ids.shape[0], R)
-        self.optim.zero_grad(set_to_none=True)
-        loss, metrics = self.loss(hidden, ids[:, 1:], index, target, mask, embedding_weight(model), lm_weight(model),
-                                  denominators(mask, self.cfg.unroll), keys=batch.attention_mask[:, :-1])
-        loss.backward()
-        self.update()
-        return {k: float(v) for k, v in metrics.items()}
+        embedding, lm_head = embedding_weight(model), lm_weight(model)
+        denoms, keys = denominators(mask, self.cfg.unroll), batch.attention_mask[:, :-1]
+        first: dict[str, torch.Tensor] = {}
+        for _ in range(self.passes):
+            self.optim.zero_grad(set_to_none=True)
+            loss, metrics = self.loss(hidden, ids[:, 1:], index, target, mask, embedding, lm_head, denoms, keys=keys)
+            loss.backward()
+            self.update()
+            first = first or metrics
+        return {k: float(v) for k, v in first.items()}

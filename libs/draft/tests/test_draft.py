@@ -1,7 +1,9 @@
 """The draft head's online training: it learns the policy's next-next-token distribution and
 leaves no gradient on the policy."""
+import pytest
 import torch
 from miles import Batch, Sample, Task
+from pydantic import ValidationError
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from miles_draft.config import DraftConfig
@@ -80,3 +82,26 @@ def test_rl_takes_over_the_warm_starts_optimizer_state():
     rl = DraftTraining(cfg, other)  # not the warm start's head: fresh state
     rl.step(other, batch)
     assert {int(s["step"]) for s in rl.optim.state_dict()["state"].values()} == {1}
+
+
+def _trained(updates: int) -> tuple[float, float]:
+    """The draft_loss a step with ``updates`` passes reports, and the next step's (the head's loss
+    on the same batch after that step)."""
+    model, batch = _model(), _batch(8)
+    draft = DraftTraining(DraftConfig(lr=3e-3, updates_per_step=updates), model)
+    return draft.step(model, batch)["draft_loss"], draft.step(model, batch)["draft_loss"]
+
+
+def test_more_updates_per_step_move_the_head_further_on_the_same_batch():
+    before1, after1 = _trained(1)
+    before2, after2 = _trained(2)
+    assert before1 == pytest.approx(before2, rel=1e-6)  # the same head: the report is the first pass's
+    assert after2 < after1 < before1
+
+
+def test_updates_per_step_is_validated_and_warm_starts_take_one():
+    with pytest.raises(ValidationError):
+        DraftConfig(updates_per_step=0)
+    cfg = DraftConfig(updates_per_step=3)
+    assert DraftTraining(cfg, _model()).passes == 3
+    assert DraftTraining(cfg, _model(), supervised=True).passes == 1

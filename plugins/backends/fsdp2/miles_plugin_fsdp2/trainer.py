@@ -431,6 +431,10 @@ def _draft_training(settings: dict | None, model: torch.nn.Module, algorithm: An
     if mtp_layers(model):
         from miles_mtp.train import MTPTraining
 
+        if cfg.updates_per_step > 1:  # MTPTraining takes one step per RL step
+            raise MilesError(f"draft.updates_per_step: {cfg.updates_per_step} applies to a draft head; this "
+                             f"model's MTP layers train one update per step (use draft.updates_per_step: 1)")
+
         return MTPTraining(cfg, model, supervised=supervised, share=share)
     return DraftTraining(cfg, model, supervised=supervised)
 

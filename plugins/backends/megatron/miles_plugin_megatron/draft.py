@@ -1,6 +1,6 @@
 """The speculative-decoding draft head (``miles_draft``) trained online beside a megatron policy.
 
-After each policy update the head takes one step of its own (``miles_draft.train.HeadTraining``:
+After each policy update the head takes ``draft.updates_per_step`` steps of its own (``miles_draft.train.HeadTraining``:
 its own AdamW, lr, loss weight and clip) on the step's rows: a no-grad forward of the updated
 policy gives the final (normed) hidden states of whole rows (the head attends the prompt too),
 caught as the input of the output layer, and the logits, gathered over the tensor-parallel
@@ -46,9 +46,8 @@ def training(settings: dict | None, trainer: Any, hf_config: Any, algorithm: Any
 
 class MegatronDraft(HeadTraining):
     def step(self, trainer: Any, batch: Any) -> dict[str, float]:
-        """One optimizer step of the head on ``batch``, on every rank (collective)."""
-        from .trainer import right_aligned
-
+        """``passes`` optimizer steps of the head on ``batch``, on every rank (collective); the
+        metrics are the first pass's."""
         R = batch.input_ids.shape[1] - batch.prompt_len
         if not self.active or R < 2:
             return {}
@@ -60,37 +59,48 @@ class MegatronDraft(HeadTraining):
         # arch.batch_major_logits transposes it
         hook = model.output_layer.register_forward_pre_hook(lambda _m, args: caught.append(args[0]), prepend=True)
         sums: dict[str, torch.Tensor] = {}
-        self.optim.zero_grad(set_to_none=True)
         model.eval()
         try:
-            for run, real in trainer._micro(batch)[0]:  # every micro-batch runs: MoE collectives line up
-                caught.clear()
-                with torch.no_grad():
-                    logits = trainer._forward(model, run)  # [B, S, V / tp]
-                    shifted, index = right_aligned(run)  # rows from position 0; positions before response tokens
-                    hidden = caught[0].transpose(0, 1).float()  # [S, B, H] -> [B, S, H]: the head attends all of it
-                    after = index[:, 1:, None]  # the positions of response tokens 0 .. R-2: they predict 1 .. R-1
-                    logits = logits.gather(1, after.expand(-1, -1, logits.shape[-1]))
-                    full = torch.cat(par.all_gather(logits, trainer.ps.get_tensor_model_parallel_group()), -1)
-                    target = torch.log_softmax(full[..., :trainer.arch.vocab].float(), dim=-1)
-                if real is None:  # a rank out of rows ran only for the collectives
-                    continue
-                n = len(real)
-                # causal attention from position 0 of each row: no padding before a chain start
-                nxt = torch.nn.functional.pad(shifted[:n, 1:], (0, 1))
-                loss, metrics = self.loss(hidden[:n], nxt, index[:n], target[:n], real.loss_mask, embedding,
-                                          lm_head, denoms)
-                loss.backward()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0) + v.detach()
+            # each pass runs the policy's forward again (same policy, same outputs): keeping every
+            # micro-batch's vocabulary-wide targets for the next pass would not fit
+            for p in range(self.passes):
+                self._pass(trainer, model, batch, caught, embedding, lm_head, denoms, sums if p == 0 else {})
         finally:
             hook.remove()
             model.train()
-        self.update(lambda params: par.all_reduce_grads(params, trainer.ps.get_data_parallel_group()))
         out = {k: float(v) for k, v in sums.items()}
         if trainer.dp > 1:  # each DP rank's share of the batch's metrics: their sum is the whole
             out = trainer._sum_dp({k: out.get(k, 0.0) for k in ("draft_loss", "draft_top1")})
         return out
+
+    def _pass(self, trainer: Any, model: Any, batch: Any, caught: list[torch.Tensor], embedding: torch.Tensor,
+              lm_head: torch.Tensor, denoms: list[torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
+        """One optimizer step of the head over the micro-batches of ``batch``; ``sums`` gathers its
+        metrics."""
+        from .trainer import right_aligned
+
+        self.optim.zero_grad(set_to_none=True)
+        for run, real in trainer._micro(batch)[0]:  # every micro-batch runs: MoE collectives line up
+            caught.clear()
+            with torch.no_grad():
+                logits = trainer._forward(model, run)  # [B, S, V / tp]
+                shifted, index = right_aligned(run)  # rows from position 0; positions before response tokens
+                hidden = caught[0].transpose(0, 1).float()  # [S, B, H] -> [B, S, H]: the head attends all of it
+                after = index[:, 1:, None]  # the positions of response tokens 0 .. R-2: they predict 1 .. R-1
+                logits = logits.gather(1, after.expand(-1, -1, logits.shape[-1]))
+                full = torch.cat(par.all_gather(logits, trainer.ps.get_tensor_model_parallel_group()), -1)
+                target = torch.log_softmax(full[..., :trainer.arch.vocab].float(), dim=-1)
+            if real is None:  # a rank out of rows ran only for the collectives
+                continue
+            n = len(real)
+            # causal attention from position 0 of each row: no padding before a chain start
+            nxt = torch.nn.functional.pad(shifted[:n, 1:], (0, 1))
+            loss, metrics = self.loss(hidden[:n], nxt, index[:n], target[:n], real.loss_mask, embedding,
+                                      lm_head, denoms)
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + v.detach()
+        self.update(lambda params: par.all_reduce_grads(params, trainer.ps.get_data_parallel_group()))
 
     def named(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The head's weights in the names the engine's head has (``draft_head.``)."""
