@@ -1,11 +1,12 @@
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from miles_lowp.settings import QATSettings
+from pydantic import ConfigDict, Field, field_validator
 
 DEVICE = r"^(cpu|auto|cuda(:\d+)?)$"
 
 
-class FSDP2Config(BaseModel):
+class FSDP2Config(QATSettings):
     model_config = ConfigDict(extra="forbid")
 
     world_size: int | None = Field(None, ge=1, description="trainer ranks; null = follow the launcher "
@@ -27,13 +28,6 @@ class FSDP2Config(BaseModel):
         "CPU); mxfp8 = e4m3 in 32-element blocks with power-of-two E8M0 scales (emulated: Hopper and "
         "CPUs have no MX tensor cores). Master weights, gradients and optimizer state stay fp32; the "
         "engines get the rounded weights (engine.weights_dtype must match)")
-    qat: Literal["int4"] | None = Field(
-        None, description="int4: quantization-aware training for INT4 rollout (engine.weights_dtype: int4): "
-        "the forward's weights are rounded to symmetric INT4 with a scale per 128 (straight-through "
-        "gradient) and the engines get them packed")
-    qat_scope: Literal["all", "experts"] = Field(
-        "all", description="with qat: all linear layers but the output head and the MoE expert weights, "
-        "or only the experts (must match engine.quant_scope)")
     lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="AdamW peak learning rate")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")

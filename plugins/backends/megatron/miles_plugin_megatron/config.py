@@ -1,9 +1,10 @@
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from miles_lowp.settings import QATSettings
+from pydantic import ConfigDict, Field
 
 
-class MegatronConfig(BaseModel):
+class MegatronConfig(QATSettings):
     model_config = ConfigDict(extra="forbid")
 
     world_size: int | None = Field(None, ge=1, description="trainer ranks; null = follow the launcher "
@@ -39,13 +40,6 @@ class MegatronConfig(BaseModel):
         "torch._scaled_mm on CUDA, emulated with the same rounding on CPU; experts: weights rounded); "
         "mxfp8: e4m3 in 32-element blocks with power-of-two E8M0 scales (emulated). The engines get the "
         "rounded weights (engine.weights_dtype must match)")
-    qat: Literal["int4"] | None = Field(
-        None, description="int4: quantization-aware training for INT4 rollout (engine.weights_dtype: "
-        "int4): the linear layers' weights (not the output head) are rounded to symmetric INT4 with a "
-        "scale per 128 in the forward (straight-through gradient) and the engines get them packed")
-    qat_scope: Literal["all", "experts"] = Field(
-        "all", description="with qat: all linear layers but the output head, or only the MoE experts' "
-        "(must match engine.quant_scope)")
     compile: bool = Field(False, description="on CUDA, torch.compile each decoder layer of the "
                           "model that runs forward and backward: its norms, rotary embedding and "
                           "residual adds become fused kernels (the first steps take longer while "
