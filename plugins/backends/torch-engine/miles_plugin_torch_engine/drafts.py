@@ -138,6 +138,11 @@ class ModelDrafter:
         self.fwd = LlamaFamilyForward(model.to(ref.device).eval())
         self.prev: torch.Tensor | None = None
 
+    @property
+    def reads_length(self) -> bool:
+        """Its forward reads cache positions below the step's length bucket (Triton's does not)."""
+        return not self.fwd.use_triton
+
     def allocate(self, fwd: LlamaFamilyForward) -> None:
         self.fwd.allocate(fwd.slots, fwd.max_len)
         self.fwd.refresh()

@@ -129,9 +129,7 @@ class SpecGenerator(FastGenerator):
         limit = cfg.speculative.max_batch
         self.max_batch = auto_max_batch(fwd.device, cfg.cuda_graphs) if limit == "auto" else limit
         # the step reads cache positions below a length bucket unless every forward is Triton's
-        draft_fwd = getattr(drafter, "fwd", None)
-        self._bucketed = getattr(drafter, "reads_length", False) or not (
-            fwd.use_triton and (draft_fwd is None or draft_fwd.use_triton))
+        self._bucketed = drafter.reads_length or not fwd.use_triton
         self.totals = {"steps": 0, "emitted": 0, "accepted": 0}  # row-steps; drained by the engine
         self.accept_rate: float | None = None  # drafts accepted / drafted in the last generate call
 
