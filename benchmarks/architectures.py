@@ -7,8 +7,7 @@ qwen3_next, gpt_oss) at a ~0.5-1B random shape on one GPU: per family, one table
   produce prompts x new-tokens tokens), and the engine's log-probs against a transformers forward
   of the same tokens in the same dtype (mean / max |delta|);
 - fsdp2: training tokens/s per GPU and MFU as the trainer reports them (``tokens_per_gpu_per_s``,
-  ``mfu`` in ``train_step``'s metrics), bf16 mixed precision; megatron likewise where it builds the
-  family (deepseek_v3, glm4_moe);
+  ``mfu`` in ``train_step``'s metrics), bf16 mixed precision; megatron likewise;
 - R3: mean / max |logp_train - logp_rollout| over response tokens between the engine's samples
   (``--dtype``, experts recorded) and a float32 trainer copy routing by itself (off) and replaying
   the engine's experts (on).
@@ -39,7 +38,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks' helpers
 
 FAMILIES = ("deepseek_v3", "deepseek_v4", "glm4_moe", "glm_moe_dsa", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
-MEGATRON = ("deepseek_v3", "glm4_moe")  # the families the megatron trainer builds
+MEGATRON = FAMILIES  # the megatron trainer builds every family
 # --quick's default: one family per kind of attention (MLA, gated DeltaNet, sliding windows with
 # sinks), so the smoke run stays short on 2 shared cores; --families runs any of them
 QUICK = ("deepseek_v3", "qwen3_5_moe_text", "gpt_oss")

@@ -184,30 +184,53 @@ def decode_table(args) -> None:
             metrics = train.step(plain.model if args.mtp else model, Batch.from_samples(samples, 0).to(args.device))
     loss = metrics.get("mtp_loss" if args.mtp else "draft_loss", 0)
     print(f"{draft} trained {args.head_steps} steps: loss {loss:.3f}")
-    spec = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
-        "draft": draft, "tokens": args.tokens, "max_batch": 1 << 20}}), spec=spec_, tokenizer=Tok())
-    auto = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
-        "draft": draft, "tokens": args.tokens}}), spec=spec_, tokenizer=Tok())
-    print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'accept len':>11} {'auto':>6}")
-    for b in args.batches:
-        prompts = [prompt() for _ in range(b)]
-        timed = {}
-        for name, engine in (("plain", plain), ("spec", spec), ("auto", auto)):
-            engine.generate(prompts, greedy, n=1)  # warm-up (caches, graphs)
-            engine.step_metrics()
-            times = []
-            for _ in range(args.repeats):  # the median: other processes share the cores
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                engine.generate(prompts, greedy, n=1)
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            timed[name] = b * args.new_tokens / sorted(times)[len(times) // 2]
-        accept = spec.step_metrics().get("spec_accept_len", 0.0)
-        print(f"{b:>5} {timed['plain']:>12,.0f} {timed['spec']:>11,.0f} {timed['spec'] / timed['plain']:>8.2f}x "
-              f"{accept:>11.2f} {timed['auto'] / timed['plain']:>5.2f}x")
+    for k in args.tokens:  # one trained draft, a table per number of draft tokens
+        spec = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
+            "draft": draft, "tokens": k, "max_batch": 1 << 20}}), spec=spec_, tokenizer=Tok())
+        auto = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
+            "draft": draft, "tokens": k}}), spec=spec_, tokenizer=Tok())
+        print(f"k = {k}")
+        print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'accept len':>11} {'auto':>6}")
+        for b in args.batches:
+            prompts = [prompt() for _ in range(b)]
+            timed = {name: tokens_per_s(engine, prompts, greedy, args)
+                     for name, engine in (("plain", plain), ("spec", spec), ("auto", auto))}
+            accept = spec.step_metrics().get("spec_accept_len", 0.0)
+            print(f"{b:>5} {timed['plain']:>12,.0f} {timed['spec']:>11,.0f} {timed['spec'] / timed['plain']:>8.2f}x "
+                  f"{accept:>11.2f} {timed['auto'] / timed['plain']:>5.2f}x")
+        if args.profile and args.device == "cuda":
+            profile_steps(plain, spec, [prompt() for _ in range(args.batches[0])], greedy)
+        del spec, auto
+
+
+def tokens_per_s(engine, prompts: list, greedy, args) -> float:
+    """The median of ``args.repeats`` timed generate calls after a warm-up (caches, graphs)."""
+    import torch
+
+    engine.generate(prompts, greedy, n=1)
+    engine.step_metrics()
+    times = []
+    for _ in range(args.repeats):  # the median: other processes share the cores
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, greedy, n=1)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return len(prompts) * args.new_tokens / sorted(times)[len(times) // 2]
+
+
+def profile_steps(plain, spec, prompts: list, greedy) -> None:
+    """The GPU kernels of one generate call, plain and speculative: where a speculative step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, engine in (("plain", plain), ("spec", spec)):
+        engine.generate(prompts, greedy, n=1)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, greedy, n=1)
+        print(f"-- {name}, {len(prompts)} rows: GPU kernels")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
 def main() -> None:
@@ -227,7 +250,8 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="the engine's decode speed-up per batch size")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=3, help="draft tokens per step")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[3], help="draft tokens per step (--decode: several)")
+    ap.add_argument("--profile", action="store_true", help="--decode on CUDA: one call's kernels, first batch")
     ap.add_argument("--head-steps", type=int, default=150)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--repeats", type=int, default=3)

@@ -22,6 +22,34 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 _TINY = 1e-12  # an all-zero block keeps a tiny scale and quantizes to zeros
 
 
+def _fused(fn):
+    """``fn`` on CUDA tensors through ``torch.compile`` (one fused kernel instead of about eight
+    eager passes over the operand: the quantization dominated an FP8 training GEMM's time), eager
+    elsewhere or where this torch cannot compile. Both compute the same IEEE float32 operations."""
+    compiled: list = []
+
+    @functools.wraps(fn)
+    def run(x: torch.Tensor, *args: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not x.is_cuda or _EAGER:
+            return fn(x, *args)
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=True))
+        try:
+            return compiled[0](x, *args)
+        except Exception as e:  # no Triton / compiler here: eager from now on, said once
+            import warnings
+
+            warnings.warn(f"FP8 quantization runs eager (torch.compile failed: {type(e).__name__}: {e})",
+                          stacklevel=2)
+            _EAGER.add(True)
+            return fn(x, *args)
+
+    return run
+
+
+_EAGER: set = set()  # non-empty once compiling failed in this process
+
+
 def quantize_blockwise(w: torch.Tensor, block: int = BLOCK, halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8, weight_scale_inv float32)`` of a 2-D weight ``[N, K]`` (scales ``[ceil(N/block),
     ceil(K/block)]``) or of 3-D expert weights ``[E, N, K]``, each expert on its own (scales ``[E,
@@ -37,6 +65,7 @@ def quantize_blockwise(w: torch.Tensor, block: int = BLOCK, halves: int = 1) -> 
     return q.reshape(w.shape), scale.reshape(*lead, halves * scale.shape[-2], scale.shape[-1])
 
 
+@_fused
 def _quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise e4m3 of ``x [G, N, K]``: one scale per (matrix, block)."""
     G, N, K = x.shape
@@ -62,6 +91,11 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
 def quantize_groups(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 [..., K], scale float32 [..., ceil(K/block)])``: each row of ``x`` in groups of
     ``block`` columns with one scale each (1x128 activations); the edge group is zero-padded."""
+    return _quantize_groups(x, block)
+
+
+@_fused
+def _quantize_groups(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     K = x.shape[-1]
     G = -(-K // block)
     xg = F.pad(x.float(), (0, G * block - K)).unflatten(-1, (G, block))
@@ -96,7 +130,7 @@ def grouped_mm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.T
         return (dequantize_groups(aq, sa, block) @ dequantize_groups(bq, sb, block).t()).to(out_dtype)
     if block == BLOCK and aq.is_cuda and _BLOCKWISE.get(aq.device.index, True):
         try:
-            return _blockwise(aq, sa, bq, sb, sb_blocks).to(out_dtype)
+            return _blockwise(aq, sa, bq, sb, sb_blocks).to(out_dtype)  # bf16 -> out_dtype: exact
         except torch.cuda.OutOfMemoryError:  # not a missing feature
             raise
         except (RuntimeError, ValueError):  # this torch / cuBLAS has no blockwise scaling (torch's
@@ -131,6 +165,8 @@ def blockwise_operands(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb:
     G, Mp, Np = -(-K // BLOCK), -(-M // 16) * 16, -(-N // 16) * 16
 
     def pad(q: torch.Tensor, rows: int) -> torch.Tensor:  # 0 is e4m3's +0.0
+        if G * BLOCK == K and rows == q.shape[0]:
+            return q  # a copy of the operand saved
         return F.pad(q.view(torch.uint8), (0, G * BLOCK - K, 0, rows - q.shape[0])).view(torch.float8_e4m3fn)
 
     scale_a = F.pad(sa.float(), (0, 0, 0, Mp - M), value=1.0).t().contiguous().t()  # [Mp, G], strides (1, Mp)
@@ -145,10 +181,11 @@ def blockwise_operands(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb:
 
 def _blockwise(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
                sb_blocks: torch.Tensor | None) -> torch.Tensor:
-    """One cuBLAS GEMM with DeepSeek-V3's scaling (:func:`blockwise_operands`), bfloat16 out."""
+    """One cuBLAS GEMM with DeepSeek-V3's scaling (:func:`blockwise_operands`), bfloat16 out (the
+    caller casts once to its dtype: no float32 copy of the product)."""
     a, b, scale_a, scale_b, _ = blockwise_operands(aq, sa, bq, sb, sb_blocks)
     out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
-    return out[:aq.shape[0], :bq.shape[0]].float()
+    return out[:aq.shape[0], :bq.shape[0]]
 
 
 def _scaled_groups(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,

@@ -42,15 +42,22 @@ def _weight(w: torch.Tensor, fmt: str, transposed: bool = False) -> tuple:
     (and passes their scales on, for cuBLAS' blockwise GEMM)."""
     if fmt == "fp8":
         q, s = f8.quantize_blockwise(w)
-        if transposed:
-            q, s = q.t(), s.t()
-        return q.contiguous(), f8.block_row_scales(s, q.shape[0]), f8.BLOCK, s
+        operand = (q, f8.block_row_scales(s, q.shape[0]), f8.BLOCK, s)
+        return _transposed(operand) if transposed else operand
     return _act(w.t() if transposed else w, fmt)
 
 
-def _gemm(a: tuple, b: tuple, emulate: bool) -> torch.Tensor:
+def _gemm(a: tuple, b: tuple, emulate: bool, out_dtype: torch.dtype) -> torch.Tensor:
     (aq, sa, block, _), (bq, sb, _, blocks) = a, b
-    return f8.grouped_mm(aq, sa, bq, sb, block, emulate=emulate, sb_blocks=blocks)
+    return f8.grouped_mm(aq, sa, bq, sb, block, emulate=emulate, sb_blocks=blocks, out_dtype=out_dtype)
+
+
+def _transposed(w: tuple) -> tuple:
+    """A 128x128-blocked fp8 weight operand as the operand of its transpose: the same blocks and
+    scales, transposed (quantizing ``w.T`` again would give these very values)."""
+    q, _, block, s = w
+    q, s = q.t().contiguous(), s.t()
+    return q, f8.block_row_scales(s, q.shape[0]), block, s
 
 
 class _LowpMatmul(torch.autograd.Function):
@@ -58,19 +65,23 @@ class _LowpMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fmt: str, emulate: bool) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
+        wq = _weight(w, fmt)
+        # fp8: the input gradient reuses the forward's weight blocks (saved in fp8, a quarter of
+        # the float32 weight) instead of quantizing the weight a second time
+        ctx.save_for_backward(x, w, *((wq[0], wq[3]) if fmt == "fp8" else ()))
         ctx.fmt, ctx.emulate = fmt, emulate
-        return _gemm(_act(x, fmt), _weight(w, fmt), emulate).to(x.dtype)
+        return _gemm(_act(x, fmt), wq, emulate, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        x, w = ctx.saved_tensors
+        x, w, *blocks = ctx.saved_tensors
         fmt, emulate = ctx.fmt, ctx.emulate
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _gemm(_act(dy, fmt), _weight(w, fmt, transposed=True), emulate).to(x.dtype)
+            wt = _transposed((blocks[0], None, f8.BLOCK, blocks[1])) if blocks else _weight(w, fmt, transposed=True)
+            dx = _gemm(_act(dy, fmt), wt, emulate, x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _gemm(_act(dy.t(), fmt), _act(x.t(), fmt), emulate).to(w.dtype)
+            dw = _gemm(_act(dy.t(), fmt), _act(x.t(), fmt), emulate, w.dtype)
         return dx, dw, None, None
 
 

@@ -130,3 +130,24 @@ def test_fp8_linear_speed_against_bf16():
           f"{times[True] * 1e3:.2f} ms ({T / times[True]:.0f} tokens/s), "
           f"fp8/bf16 time {times[True] / times[False]:.2f}x")
     assert times[True] > 0
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("shape", [(300, 1000), (4096, 2048)])
+def test_compiled_quantization_equals_eager(shape):
+    """On CUDA the quantizers run through ``torch.compile``: bit for bit the eager kernels' fp8
+    values and scales (the weights the engine serves and the trainer's GEMM operands must be the
+    same blocks), activations, their transposes and 128x128 weight blocks."""
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(*shape, device="cuda")
+    got = {"groups": f8.quantize_groups(x), "groups.t": f8.quantize_groups(x.t()), "blocks": f8.quantize_blockwise(w)}
+    f8._EAGER.add(True)
+    try:
+        want = {"groups": f8.quantize_groups(x), "groups.t": f8.quantize_groups(x.t()),
+                "blocks": f8.quantize_blockwise(w)}
+    finally:
+        f8._EAGER.clear()
+    bad = [name for name in got if not (torch.equal(got[name][0].view(torch.uint8), want[name][0].view(torch.uint8))
+                                        and torch.equal(got[name][1], want[name][1]))]
+    assert not bad, f"compiled quantization differs from eager: {bad}"
