@@ -178,16 +178,18 @@ def decode_table(args) -> None:
     if args.mtp:  # the engine holds the model itself (Spec returns it): the layer it drafts with learns
         from miles_mtp.train import MTPTraining
 
-        train = MTPTraining(DraftConfig(lr=2e-3), plain.model)
+        train = MTPTraining(DraftConfig(lr=args.head_lr), plain.model)
     else:
-        train = DraftTraining(DraftConfig(lr=2e-3), model)
-    for _ in range(args.head_steps):
-        prompts = [prompt() for _ in range(32)]
+        train = DraftTraining(DraftConfig(lr=args.head_lr), model)
+    for step in range(args.head_steps):
+        prompts = [prompt() for _ in range(args.head_batch)]
         comps = plain.generate(prompts, greedy, n=1)
         samples = [Sample(task=Task(prompt=""), prompt_ids=p, response_ids=c[0].token_ids,
                           loss_mask=[1] * len(c[0].token_ids)) for p, c in zip(prompts, comps)]
         with torch.enable_grad():
             metrics = train.step(plain.model if args.mtp else model, Batch.from_samples(samples, 0).to(args.device))
+        if step % 100 == 99:
+            print(f"  step {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
     loss = metrics.get("mtp_loss" if args.mtp else "draft_loss", 0)
     print(f"{draft} trained {args.head_steps} steps: loss {loss:.3f}")
     for k in args.tokens:  # one trained draft, a table per number of draft tokens
@@ -260,6 +262,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[3], help="draft tokens per step (--decode: several)")
     ap.add_argument("--profile", action="store_true", help="--decode on CUDA: one call's kernels, first batch")
     ap.add_argument("--head-steps", type=int, default=150)
+    ap.add_argument("--head-lr", type=float, default=2e-3, help="--decode: the draft's learning rate")
+    ap.add_argument("--head-batch", type=int, default=32, help="--decode: the head's training prompts per step")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mtp", action="store_true", help="--decode with the mtp draft (a DeepSeek-V3 shape)")
