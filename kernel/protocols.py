@@ -667,7 +667,7 @@ class Architecture(Protocol):
 
     ``padded_batches``: rows of different lengths may share a forward, left-padded, without
     changing any row's result (False where a layer's state ignores the padding mask, e.g. token
-    compression by absolute position: the engine then runs each prompt's samples on their own).
+    compression by absolute position: the engine then batches only prompts of equal length).
     ``check_config(config)``: problems of an inline ``model.config`` (``model_type`` plus sizes),
     each a string starting with the key it is about; empty when it can build a model.
     """

@@ -139,14 +139,14 @@ class TorchEngine(WeightReceiver):
         if self._routing is not None and self._mtp is not None:  # it would record the rejected drafts' routes
             raise MilesError("engine.speculative.draft: mtp cannot run with routing replay; remove engine.speculative")
         # an architecture whose layers do not mask left padding (e.g. token compression by absolute
-        # position) generates each prompt's samples on their own: one prompt per forward
+        # position) batches only prompts of equal length, which need no padding at all
         from miles.protocols import KnowsArchitecture, OffersEngineAttention
 
         arch = spec.architecture() if isinstance(spec, KnowsArchitecture) else None
-        self._one_prompt = arch is not None and not arch.padded_batches
+        self._equal_lengths = arch is not None and not arch.padded_batches
         if isinstance(arch, OffersEngineAttention):  # e.g. MLA decoding over its cached latent
             arch.engine_attention(self.model)
-        if self._one_prompt and self._fast is not None:
+        if self._equal_lengths and self._fast is not None:
             raise ValueError("torch engine: this architecture runs the model's own forward; set engine.impl=hf")
         self._p2p: Any = None
         # the model's own forward path's load (the fast paths keep their own: FastGenerator.load):
@@ -221,7 +221,7 @@ class TorchEngine(WeightReceiver):
         mtp = self._mtp is not None and len(prompts) * n <= self._mtp.max_batch
         self._hf_queued = len(prompts) * n
         try:
-            for idx, reps in self._chunks(len(prompts), n):
+            for idx, reps in self._chunks([len(p) for p in prompts], n):
                 chunk = [prompts[i] for i in idx]
                 self._hf_running = len(chunk) * reps
                 self._hf_queued -= self._hf_running
@@ -236,17 +236,23 @@ class TorchEngine(WeightReceiver):
             self._hf_running = self._hf_queued = 0
         return out
 
-    def _chunks(self, num: int, n: int) -> Iterator[tuple[list[int], int]]:
-        """(prompt indices, samples per prompt) so that each chunk holds <= max_batch_size rows."""
+    def _chunks(self, lengths: Sequence[int], n: int) -> Iterator[tuple[list[int], int]]:
+        """(prompt indices, samples per prompt) so that each chunk holds <= max_batch_size rows;
+        where padding is not exact, each chunk's prompts have one length (in order of first
+        appearance), so every row of a forward is unpadded and they decode in lock step."""
         mbs = self.cfg.max_batch_size
-        if n <= mbs:
-            per = 1 if self._one_prompt else mbs // n
-            for s in range(0, num, per):
-                yield list(range(s, min(s + per, num))), n
-        else:
-            for i in range(num):
+        if n > mbs:
+            for i in range(len(lengths)):
                 for s in range(0, n, mbs):
                     yield [i], min(mbs, n - s)
+            return
+        groups: dict[int, list[int]] = {}
+        for i, length in enumerate(lengths):
+            groups.setdefault(length if self._equal_lengths else 0, []).append(i)
+        per = mbs // n
+        for idx in groups.values():
+            for s in range(0, len(idx), per):
+                yield idx[s:s + per], n
 
     def _forward(self, ids, mask, pos, cache=None, **kw):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
@@ -315,11 +321,12 @@ class TorchEngine(WeightReceiver):
     def logprobs(self, prompts: Sequence[Sequence[int]],
                  responses: Sequence[Sequence[int]]) -> list[list[float]]:
         """Log-prob (temperature 1) of each response token given its prompt, one forward per chunk."""
-        out: list[list[float]] = []
-        mbs = self.cfg.max_batch_size
-        for s in range(0, len(prompts), mbs):
-            out += self._score(prompts[s:s + mbs], responses[s:s + mbs])
-        return out
+        out: dict[int, list[float]] = {}
+        # chunks of one prompt length where left padding is not exact (right padding always is:
+        # a causal model's padded tail comes after every token scored)
+        for idx, _ in self._chunks([len(p) for p in prompts], 1):
+            out.update(zip(idx, self._score([prompts[i] for i in idx], [responses[i] for i in idx])))
+        return [out[i] for i in range(len(prompts))]
 
     def _score(self, prompts, responses) -> list[list[float]]:
         width = max(1, max(len(r) for r in responses))

@@ -2,8 +2,9 @@
 
 GLM-4.5 to 4.7 and GLM-5 route like DeepSeek-V3: a sigmoid per expert plus a selection-only
 bias, group-limited top-k, the chosen scores renormalised and scaled. GLM-5's DeepSeek sparse
-attention picks each query's keys with an indexer's top-k; over a left-padded decode cache that
-choice differs from the unpadded one, so each prompt's samples run on their own in the engine.
+attention picks each query's keys with an indexer's top-k over scores the attention mask sets to
+-inf at padding, so a left-padded row picks the keys its unpadded forward picks (plus padding
+where it has fewer keys than the top-k, which the mask still hides): padded batches are exact.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class Glm4Moe(_SigmoidRouted):
 
 
 class GlmMoeDsa(_SigmoidRouted):
-    padded_batches = False
+    padded_batches = True
     router_class = "GlmMoeDsaTopkRouter"
 
     def check_config(self, config: dict[str, Any]) -> list[str]:
