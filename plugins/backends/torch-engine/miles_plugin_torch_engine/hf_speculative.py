@@ -1,6 +1,6 @@
 """Speculative decoding on the model's own forward with its multi-token-prediction layer
 (``engine.speculative: {draft: mtp, tokens: k}``, architectures that carry MTP layers:
-DeepSeek-V3, GLM-4.5).
+DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5/3.6 MoE).
 
 A step drafts ``k`` tokens per row by chaining the first MTP layer on its own output, DeepSeek's
 way: from the target's hidden state ``h_i`` and token ``t_{i+1}`` it predicts ``t_{i+2}``, then
@@ -14,8 +14,11 @@ a step's accepted ones at the next step); the entries the chain adds from its ow
 cropped after the step. The rows of a chunk decode together: a rejected position stays in the
 target's cache as a hole the attention mask hides (transformers builds the causal mask from the
 padding mask, as for left padding), and the positions every row rejected are cropped
-(``Cache.crop``), so a row decoding alone keeps no holes. That needs attention caches a mask can
-hide and a crop can roll back: recurrent or sliding-window layers are refused.
+(``Cache.crop``), so a row decoding alone keeps no holes. Gated-DeltaNet layers (Qwen3-Next,
+Qwen3.5) hold a convolution window and a recurrent state instead, with no positions a mask could
+hide: the verify forward records their state after each of the block's tokens and every row keeps
+the one after exactly its accepted tokens (``LinearStates``). Other cache layers (sliding-window,
+indexed attention) are refused.
 """
 from __future__ import annotations
 
@@ -32,16 +35,73 @@ from .speculative import AUTO_MAX_BATCH
 _KEY = "engine.speculative.draft"
 
 
+# why a cache layer kind cannot take a step's rejected drafts back
+_REFUSED = {
+    "DynamicSlidingWindowLayer": "sliding-window attention: its window counts cache slots, so the holes rejected "
+                                 "drafts leave in a batch would shorten it, and keys that slid out of it cannot be "
+                                 "cropped back",
+}
+
+
 def _rollback_problem(model: torch.nn.Module) -> str | None:
-    """Why the model's decode cache cannot hide or crop rejected positions (None: it can)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    """Why the model's decode cache cannot hide or roll back rejected positions (None: it can)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
 
     kinds = sorted({type(layer).__name__ for layer in DynamicCache(config=model.config).layers
-                    if type(layer) is not DynamicLayer})
+                    if type(layer) not in (DynamicLayer, LinearAttentionLayer)})
     if kinds:
-        return (f"the model's cache has {', '.join(kinds)} layers (recurrent, sliding-window or indexed state), "
-                f"which cannot roll rejected draft tokens back")
+        why = "; ".join(f"{kind} layers ({_REFUSED.get(kind, 'a layer kind the rollback here does not cover')})"
+                        for kind in kinds)
+        return f"the model's cache cannot roll rejected draft tokens back: {why}"
     return None
+
+
+class LinearStates:
+    """The linear-attention (gated DeltaNet) layers of a decode cache, rolled back row by row.
+
+    Their convolution window and recurrent state have no positions a mask could hide, so after a
+    step each row needs the state after exactly its accepted tokens. With transformers' past
+    recording on, the verify forward keeps the window's whole history and runs the block through
+    the recurrent kernel token by token (single-token decoding's kernel), recording the state after
+    each; ``keep`` takes every row's own, so a rejection costs no extra forward."""
+
+    def __init__(self, cache: Any, block: int):
+        from transformers.cache_utils import LinearAttentionLayer
+
+        self.block = block
+        self.layers = [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, LinearAttentionLayer)]
+        for layer in self.layers:
+            layer.activate_past_recording(recurrent_states_to_keep=block)
+
+    def keep(self, fed: torch.Tensor, dropped: int) -> None:
+        """Each row's states after the first ``fed[b]`` (1 to ``block``) tokens of the verify block;
+        ``dropped`` positions leave the cache's length, as the attention layers' crop."""
+        rows = torch.arange(fed.shape[0], device=fed.device)
+        for layer in self.layers:
+            for i in range(layer.number_of_states):
+                if layer.is_conv_states_initialized[i]:
+                    # [B, C, K + block]: the window before the block, then the block's inputs
+                    conv, width = layer.conv_states[i], layer.conv_kernel_size[i]
+                    at = (fed[:, None] + torch.arange(width, device=fed.device))[:, None].expand(-1, conv.shape[1], -1)
+                    layer.conv_states[i] = conv.gather(-1, at)
+                if layer.is_recurrent_states_initialized[i]:
+                    history = layer.recurrent_states_history[i]  # the states after 0 .. block - 1 tokens
+                    if len(history) != self.block:
+                        raise RuntimeError(f"the verify forward recorded {len(history)} recurrent states of a "
+                                           f"{self.block}-token block: this model's linear attention does not "
+                                           f"record its past (transformers' activate_past_recording)")
+                    states = torch.stack([*history, layer.recurrent_states[i]])
+                    layer.recurrent_states[i].copy_(states[fed, rows])  # in place: its address stays
+                    layer.recurrent_states_history[i] = []
+            layer.cumulative_length_linear.sub_(dropped)
+
+    def crop(self, cache: Any, tokens: int) -> None:
+        """Drop the last ``tokens`` positions of the cache's attention layers (``keep`` rolls back the
+        linear ones)."""
+        mine = {id(layer) for layer in self.layers}
+        for layer in cache.layers:
+            if id(layer) not in mine:
+                layer.crop(-tokens)
 
 
 class MTPGenerator:
@@ -78,6 +138,7 @@ class MTPGenerator:
         hidden, cache = self._target(ids, mask, pos, None)
         logits = head(hidden[:, -1]).repeat_interleave(n, dim=0)
         cache = _repeat_cache(cache, n, ids.shape[0])
+        linear = LinearStates(cache, k + 1)
         hidden, ids, mask, pos = (t.repeat_interleave(n, dim=0) for t in (hidden, ids, mask, pos))
         rows, dev = ids.shape[0], ids.device
         tok, lp = _sample(logits, params, gen)  # the first token as plain sampling draws it
@@ -148,8 +209,9 @@ class MTPGenerator:
             kept = j <= accepted[:, None]
             tmask[:, -(k + 1):] = kept
             most = int(accepted.max())
+            linear.keep(accepted + 1, k - most)
             if most < k:
-                cache.crop(-(k - most))
+                linear.crop(cache, k - most)
                 tmask = tmask[:, :most - k]
             pend_h, pend_t, pend_ok = hidden[:, :most + 1], out[:, :most + 1], kept[:, :most + 1]
             pend_pos = length[:, None] + j[:most + 1]
@@ -165,22 +227,24 @@ class MTPGenerator:
 def setup_mtp(cfg: Any, model: torch.nn.Module, spec: Any, cache_kw: str) -> MTPGenerator:
     """The ``mtp`` draft of ``engine.speculative`` on the model's own forward; refused (naming
     ``engine.speculative.draft``) for an architecture without MTP layers or with a cache that
-    cannot roll rejected drafts back."""
+    cannot roll rejected drafts back (sliding-window or indexed attention layers)."""
     from miles.protocols import CarriesMTP, KnowsArchitecture
     from miles_mtp import mtp_layers
 
     if not isinstance(spec, KnowsArchitecture):
         raise ConfigError([f"{_KEY}: mtp drafts with the model's multi-token-prediction layers, which this "
                            f"model spec does not attach (model.name: hf and miles serve's folders do, for "
-                           f"deepseek_v3 and glm4_moe); use draft: head or model"])
+                           f"deepseek_v3, glm4_moe, qwen3_next and qwen3_5_moe_text); use draft: head or model"])
     if not isinstance(spec.architecture(), CarriesMTP):
         name = getattr(model.config, "model_type", type(model).__name__)
         raise ConfigError([f"{_KEY}: mtp drafts with the model's multi-token-prediction layers, and {name} "
-                           f"carries none (deepseek_v3 and glm4_moe do); use draft: head or model"])
+                           f"carries none (deepseek_v3, glm4_moe, qwen3_next and qwen3_5_moe_text do); "
+                           f"use draft: head or model"])
     layers = mtp_layers(model)
     if not layers:
         raise ConfigError([f"{_KEY}: mtp needs the model's MTP layers, and its config has "
-                           f"num_nextn_predict_layers: 0; use draft: head or model"])
+                           f"num_nextn_predict_layers (Qwen3-Next, Qwen3.5: mtp_num_hidden_layers) 0; "
+                           f"use draft: head or model"])
     problem = _rollback_problem(model)
     if problem is not None:
         raise ConfigError([f"{_KEY}: mtp: {problem}; remove engine.speculative"])
