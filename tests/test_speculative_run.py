@@ -76,8 +76,8 @@ def test_draft_section_needs_a_head_in_the_engine(tmp_path, capsys):
 
 
 def test_a_model_declaring_mtp_layers_trains_them_without_the_engine_drafting():
-    """Qwen3-Next's MTP layers train online though its engine cannot draft with them (the DeltaNet
-    state cannot roll back); megatron trains heads only and says so."""
+    """Qwen3-Next's MTP layers train online with no engine.speculative set (the engine does not
+    draft); megatron trains heads only and says so."""
     from miles import MilesError
     from miles.cli import load
 

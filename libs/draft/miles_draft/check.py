@@ -57,8 +57,8 @@ def problems(config: Any, raw: Any, me: str, validate: Callable[[Any, str, dict,
         out.append(f"draft: the draft is trained by trainer {' or '.join(TRAINERS)} (trainer.name is "
                    f"{trainer!r}); remove the draft: section or use one of those trainers")
     drafts = speculative(config).get("draft")
-    # a model's MTP layers may train without the engine drafting (e.g. Qwen3-Next, whose DeltaNet
-    # state cannot roll back): they are the model's own weights, synced and exported with it
+    # a model's MTP layers may train without the engine drafting (e.g. where the engine's forward is
+    # not the fast path's or drafting is off): they are the model's own weights, synced and exported with it
     mtp_only = not drafts and declares_mtp(config)
     if not mtp_only and (config.name("engine") != "torch" or drafts not in ("head", "mtp")):
         out.append("draft: trains a draft head (or a model's MTP layers) that weight syncs send to the engine, "
