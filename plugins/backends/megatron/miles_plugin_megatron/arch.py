@@ -90,7 +90,8 @@ class Arch:
     yarn_truncate: bool = True  # correction range rounded to whole dimensions
     yarn_mscale: tuple[float, float] | None = None  # (mscale, mscale_all_dim); None: from the factor alone
     # DeepSeek-V4: ``hc_mult`` residual streams (hyper.py; 1: one), hash-routed MoE layers (routing.py),
-    # and an attention that is transformers' own module, held by the architecture's edit (TP 1 only)
+    # and an attention that is transformers' own module, held by the architecture's edit (replicated
+    # on every tensor-parallel rank)
     hc_mult: int = 1
     hc_sinkhorn_iters: int = 0
     hc_eps: float = 0.0
@@ -108,6 +109,16 @@ class Arch:
     def moe_layer(self, i: int) -> bool:
         """Whether decoder layer ``i`` (0-based, across the model) has an MoE FFN."""
         return self.moe and i not in self.dense_layers
+
+    @property
+    def whole_experts(self) -> bool:
+        """Whether the experts stay whole on every tensor-parallel rank (expert tensor parallel 1):
+        megatron-core runs experts with biases only so."""
+        return self.moe and self.linear_bias
+
+    def expert_tp(self, tp: int) -> int:
+        """The experts' tensor-parallel size at ``tp``."""
+        return 1 if self.whole_experts else tp
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron's vocab-parallel embedding needs rows divisible by the TP size."""
@@ -187,7 +198,8 @@ def transformer_config(arch: Arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vp:
                   moe_router_score_function="sigmoid" if arch.score == "sqrtsoftplus" else arch.score,
                   moe_router_enable_expert_bias=arch.expert_bias,
                   moe_router_topk_scaling_factor=arch.scaling,
-                  moe_layer_freq=[int(arch.moe_layer(i)) for i in range(arch.num_layers)])
+                  moe_layer_freq=[int(arch.moe_layer(i)) for i in range(arch.num_layers)],
+                  expert_tensor_parallel_size=arch.expert_tp(tp))
         if arch.groups > 1:
             kw.update(moe_router_num_groups=arch.groups, moe_router_group_topk=arch.group_topk)
         if arch.shared_ffn:
@@ -331,7 +343,7 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
         from .routing import router_class
 
         mlp.router = router_class(arch) if arch.score == "sqrtsoftplus" else fp32_router()
-    if moe and mlp is not None and tp == 1 and arch.linear_bias and _submodules(mlp.experts) is not None:
+    if moe and mlp is not None and arch.whole_experts and _submodules(mlp.experts) is not None:
         # an expert adds its output bias in place, which the one-rank reduction's returned view forbids
         experts = _submodules(mlp.experts)
         experts.linear_fc1, experts.linear_fc2 = one_rank_linears()
@@ -429,7 +441,32 @@ def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True,
         from .routing import share_token_ids
 
         share_token_ids(model)
+    if arch.moe and config.tensor_model_parallel_size > 1:
+        train_moe_on_replicated_tokens(model)
     return model
+
+
+def train_moe_on_replicated_tokens(model: torch.nn.Module) -> None:
+    """Let ``model``'s MoE layers train at tensor_parallel > 1 without sequence parallelism.
+
+    megatron-core raises there in training, a performance guard: every TP rank holds all tokens, so
+    its all-gather dispatcher hands each expert shard every token ``tp`` times (an unsplit expert,
+    at expert tensor parallel 1, sees them on each of the ``tp`` ranks). The forward is exact, and
+    so are the gradients of the tokens and routers; each expert weight's gradient is ``tp`` times
+    its own, which the trainer divides out when it reduces them. The guard alone reads the MoE
+    layer's own ``training`` flag (its router and experts keep theirs), so it is off during forward."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    def guard_off(module: torch.nn.Module, _args: Any) -> None:
+        module.train_after, module.training = module.training, False
+
+    def guard_on(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        module.training = module.train_after
+
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.register_forward_pre_hook(guard_off)
+            m.register_forward_hook(guard_on)
 
 
 def batch_major_logits(output_layer: torch.nn.Module) -> None:

@@ -297,8 +297,9 @@ def repad_vocab(full: dict[str, torch.Tensor], arch: Arch, tp: int | None) -> di
 
 
 # -- full Megatron <-> one rank's shard ----------------------------------------------------------------
-def tp_dim(name: str) -> int | None:
-    """The dimension a weight is split along across TP ranks; None = replicated."""
+def tp_dim(name: str, arch: Arch | None = None) -> int | None:
+    """The dimension a weight is split along across TP ranks; None = replicated (an expert's too
+    where ``arch`` keeps its experts whole, ``Arch.expert_tp``)."""
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return 0
     hit = _LAYER.match(name)
@@ -306,6 +307,8 @@ def tp_dim(name: str) -> int | None:
         return None
     rest = hit[2]
     if (e := _EXPERT.match(rest)) is not None:
+        if arch is not None and arch.whole_experts:
+            return None
         rest = e[2]
     return _TP_DIM.get(rest)
 
@@ -318,7 +321,7 @@ def tp_split(name: str, full: torch.Tensor, tp: int, arch: Arch | None = None) -
     """The ``tp`` shards of one full Megatron weight, as TP ranks 0..tp-1 hold them. A gated
     ``linear_fc1`` shard is ``[gate_r; up_r]`` (each rank computes its own SwiGLU slice), and a
     DeltaNet's ``in_proj`` / ``conv1d`` one holds its slice of each part (``arch`` sizes them)."""
-    dim = tp_dim(name)
+    dim = tp_dim(name, arch)
     if dim is None or tp == 1:
         return [full] * tp if dim is None else [full]
     if (parts := gated.tp_parts(name, arch) if arch is not None and arch.linear_layers else None):
@@ -331,7 +334,7 @@ def tp_split(name: str, full: torch.Tensor, tp: int, arch: Arch | None = None) -
 
 def tp_merge(name: str, shards: list[torch.Tensor], arch: Arch | None = None) -> torch.Tensor:
     """Inverse of :func:`tp_split`."""
-    dim = tp_dim(name)
+    dim = tp_dim(name, arch)
     if dim is None or len(shards) == 1:
         return shards[0]
     if (parts := gated.tp_parts(name, arch) if arch is not None and arch.linear_layers else None):

@@ -42,27 +42,25 @@ def check_layout(cfg: MegatronConfig, arch: Arch, world: int) -> None:
                    f"trainer.pipeline_parallel = {tp} * {pp}")
     if arch.num_layers % pp:
         bad.append(f"trainer.pipeline_parallel={pp} does not divide the model's {arch.num_layers} layers")
-    linear = ((arch.linear_key_heads, "linear_num_key_heads"), (arch.linear_value_heads, "linear_num_value_heads"))
-    for n, what in ((arch.heads, "attention heads"), (arch.kv_heads, "KV heads (num_key_value_heads)"),
-                    (arch.ffn, "intermediate_size"), *(linear if arch.linear_layers else ())):
+    split = []  # sizes TP ranks divide: heads (not of DeepSeek-V4's attention, replicated on every
+    if not arch.hf_attention:  # rank), a dense FFN where a layer has one, the DeltaNet heads
+        split += [(arch.heads, "attention heads"), (arch.kv_heads, "KV heads (num_key_value_heads)")]
+    if not all(arch.moe_layer(i) for i in range(arch.num_layers)):
+        split.append((arch.ffn, "intermediate_size"))
+    if arch.linear_layers:
+        split += [(arch.linear_key_heads, "linear_num_key_heads"), (arch.linear_value_heads, "linear_num_value_heads")]
+    for n, what in split:
         if n % tp:
             bad.append(f"trainer.tensor_parallel={tp} does not divide the model's {n} {what}")
     if ep > 1 and not arch.moe:
         bad.append(f"trainer.expert_parallel={ep} needs an MoE model; this one is dense: set it to 1")
     if arch.moe and arch.experts % ep:
         bad.append(f"trainer.expert_parallel={ep} does not divide the model's {arch.experts} experts")
-    if arch.moe and arch.linear_bias and tp > 1:
-        bad.append(f"trainer.tensor_parallel={tp}: this model's experts and router have biases, which "
-                   f"megatron-core supports only with unsplit experts (expert tensor parallel 1); set it to 1")
-    if arch.moe and arch.moe_ffn % tp:
+    if arch.moe and arch.moe_ffn % arch.expert_tp(tp):
         bad.append(f"trainer.tensor_parallel={tp} does not divide moe_intermediate_size {arch.moe_ffn}")
     if world % (tp * ep * pp):
         bad.append(f"world size {world} is not divisible by trainer.tensor_parallel * "
                    f"trainer.expert_parallel * trainer.pipeline_parallel = {tp * ep * pp}")
-    if arch.hf_attention and tp > 1:
-        bad.append(f"trainer.tensor_parallel={tp}: this model's attention (DeepSeek-V4's compressors, indexer and "
-                   f"grouped output projection) runs transformers' own module, unsplit; set trainer.tensor_parallel=1 "
-                   f"and scale out with trainer.expert_parallel and data-parallel ranks")
     if arch.hc_mult > 1 and pp > 1:
         bad.append(f"trainer.pipeline_parallel={pp}: the model's {arch.hc_mult} hyper-connection residual streams "
                    f"(model.config.hc_mult) are not sent between pipeline stages; set trainer.pipeline_parallel=1")
@@ -82,9 +80,10 @@ def pick_device(name: str, local_rank: int, world: int) -> torch.device:
     return dev
 
 
-def init(device: torch.device, world: int, tp: int, pp: int, ep: int, vp: int = 1) -> None:
+def init(device: torch.device, world: int, tp: int, pp: int, ep: int, vp: int = 1, etp: int | None = None) -> None:
     """The default group (NCCL on CUDA, gloo on CPU), then megatron-core's parallel state,
-    rebuilt when a trainer with other sizes was made in this process before."""
+    rebuilt when a trainer with other sizes was made in this process before. ``etp``: the experts'
+    tensor-parallel size (default ``tp``; ``Arch.expert_tp``)."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -100,12 +99,12 @@ def init(device: torch.device, world: int, tp: int, pp: int, ep: int, vp: int = 
         atexit.register(destroy)
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size() or 1) == (tp, pp, ep, vp):
+                ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1) == (tp, pp, ep, etp or tp, vp):
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
     object_group()
 
 
@@ -158,3 +157,14 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
         dist.all_reduce(flat, group=group)
         for g, x in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(x)
+
+
+def mean_grads(params: list[torch.nn.Parameter], group: Any) -> None:
+    """Average the gradients of a module replicated over ``group``. Its copies see the same inputs
+    and gradients, so they agree up to the order of atomic adds in backward kernels (gathers,
+    index-adds), which would otherwise let the copies drift apart over steps."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    all_reduce_grads(params, group)
+    torch._foreach_mul_([p.grad for p in params if p.requires_grad], 1 / size)

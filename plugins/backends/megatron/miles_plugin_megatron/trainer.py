@@ -72,7 +72,7 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
         lowp_.check_arch(cfg, self.arch)
         self.tp, self.ep, self.pp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel
         self.vp = cfg.virtual_pipeline_parallel
-        par.init(self.device, self.world_size, self.tp, self.pp, self.ep, self.vp)
+        par.init(self.device, self.world_size, self.tp, self.pp, self.ep, self.vp, self.arch.expert_tp(self.tp))
         from megatron.core import parallel_state as ps
 
         self.ps = ps
@@ -362,6 +362,11 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
                                  self.ps.get_tensor_model_parallel_group())
         if experts:
             par.all_reduce_grads(experts, self.ps.get_expert_data_parallel_group())
+            if self.tp > 1:  # each saw every TP rank's copy of the tokens (arch.train_moe_on_replicated_tokens)
+                torch._foreach_mul_([p.grad for p in experts if p.grad is not None], 1 / self.tp)
+        if self.tp > 1 and self.arch.hf_attention:  # DeepSeek-V4's attention, replicated: copies kept equal
+            par.mean_grads([p for n, p in named if ".self_attention.hf." in n],
+                           self.ps.get_tensor_model_parallel_group())
 
     def _clip(self, named: list[tuple[str, torch.nn.Parameter]] | None = None) -> float:
         """The global gradient norm, after scaling the gradients down to ``grad_clip``."""
@@ -436,7 +441,7 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
             full: dict[str, torch.Tensor] = {}
             for name in names:
                 t = local[name].detach()
-                parts = par.all_gather(t, tp_group) if convert.tp_dim(name) is not None else [t]
+                parts = par.all_gather(t, tp_group) if convert.tp_dim(name, self.arch) is not None else [t]
                 merged = convert.tp_merge(name, parts, self.arch)
                 if "local_experts" in name and self.ep > 1:
                     for r, x in enumerate(par.all_gather(merged, ep_group)):

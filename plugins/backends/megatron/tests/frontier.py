@@ -136,6 +136,18 @@ def _v4_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
+def unpadded_logprobs(model: torch.nn.Module, b: Any) -> torch.Tensor:
+    """transformers' ``[B, R]`` response log-probs, each row run alone and unpadded (DeepSeek-V4's
+    compressors ignore the padding mask)."""
+    out = torch.zeros(b.input_ids.shape[0], b.input_ids.shape[1] - b.prompt_len)
+    for r, s in enumerate(b.samples):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+        out[r, :len(s.response_ids)] = logits.log_softmax(-1).gather(-1, ids[0, len(s.prompt_ids):, None])[:, 0]
+    return out
+
+
 class Spec(helpers.Spec):
     """A model spec over an inline config that names its ``Architecture`` (``KnowsArchitecture``)."""
 

@@ -1,15 +1,16 @@
 """DeepSeek-V4 in the megatron trainer (``frontier.py``'s tiny config): hyper-connections (2 residual
 streams), sqrt-softplus routing with an expert bias, a hash-routed first MoE layer, and transformers'
 own attention (heavily compressed, compressed sparse with its indexer, sliding window) held in
-megatron-core's layers. HF <-> Megatron conversion is bit-exact at EP 1 and 2; one rank's log-probs
-in fp32 equal transformers' (each row on its own: V4's compressors ignore the padding mask), each
-of those parts is live, R3 replays the recorded experts, optimizer steps lower the loss and a
-checkpoint resumes."""
+megatron-core's layers. HF <-> Megatron conversion is bit-exact at TP 1/2 x EP 1/2 (the held
+attention whole on every TP rank); one rank's log-probs in fp32 equal transformers' (each row on its
+own: V4's compressors ignore the padding mask), each of those parts is live, R3 replays the recorded
+experts, optimizer steps lower the loss and a checkpoint resumes. Two TP ranks:
+test_frontier_tp2.py."""
 from __future__ import annotations
 
 import pytest
 import torch
-from frontier import CONFIGS, Spec, architecture, check_replay, hf_model, moe_spec
+from frontier import CONFIGS, Spec, architecture, check_replay, hf_model, moe_spec, unpadded_logprobs
 from frontier_worker import step
 from helpers import batch
 from miles_plugin_megatron import arch as A
@@ -27,29 +28,26 @@ SHOWN = ("decoder.layers.0.mlp.router.tid2eid", "decoder.layers.1.mlp.router.exp
          "decoder.layers.2.mlp.experts.local_experts.7.linear_fc2.weight")
 
 
-def unpadded_logprobs(model: torch.nn.Module, b) -> torch.Tensor:
-    """transformers' ``[B, R]`` response log-probs, each row run alone and unpadded."""
-    out = torch.zeros(b.input_ids.shape[0], b.input_ids.shape[1] - b.prompt_len)
-    for r, s in enumerate(b.samples):
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
-        out[r, :len(s.response_ids)] = logits.log_softmax(-1).gather(-1, ids[0, len(s.prompt_ids):, None])[:, 0]
-    return out
-
-
-@pytest.mark.parametrize("ep", [1, 2])
-def test_round_trip_bit_exact(ep):
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_round_trip_bit_exact(tp, ep):
     m = hf_model(FAMILY)
     hf = m.state_dict()
     arch = A.arch_of(m.config, architecture(FAMILY))
     assert arch.hc_mult == 2 and arch.hash_layers == (0,) and arch.hf_attention and arch.score == "sqrtsoftplus"
-    full = C.hf_to_full(hf, arch)
+    full = C.hf_to_full(hf, arch, tp)
     assert all(name in full for name in SHOWN) and "decoder.layers.0.mlp.router.expert_bias" not in full
     assert full["decoder.layers.0.mlp.router.tid2eid"].dtype == torch.long
-    shards = {(0, e): C.shard(full, arch, ep=ep, ep_rank=e) for e in range(ep)}
-    assert sum(".local_experts." in k for k in shards[(0, ep - 1)]) == 3 * 8 // ep * 2
-    back = C.full_to_hf(C.unshard(shards, arch, 1, ep), arch)
+    shards = {(t, e): C.shard(full, arch, tp=tp, tp_rank=t, ep=ep, ep_rank=e) for t in range(tp) for e in range(ep)}
+    last = shards[(tp - 1, ep - 1)]
+    assert sum(".local_experts." in k for k in last) == 3 * 8 // ep * 2
+    # the held attention whole on every TP rank; experts, shared expert and vocabulary split
+    held = "decoder.layers.1.self_attention.hf.compressor.indexer.q_b_proj.weight"
+    assert torch.equal(last[held], full[held])
+    for name in ("decoder.layers.2.mlp.experts.local_experts.0.linear_fc2.weight",
+                 "decoder.layers.1.mlp.shared_experts.linear_fc2.weight"):
+        assert last[name].shape == (64, 32 // tp)
+    assert last["embedding.word_embeddings.weight"].shape[0] == arch.padded_vocab(tp) // tp
+    back = C.full_to_hf(C.unshard(shards, arch, tp, ep), arch)
     assert set(back) == set(hf)
     for k, v in hf.items():
         assert torch.equal(back[k], v), k

@@ -61,9 +61,9 @@ def test_a_family_without_megatron_description_is_refused():
 
 
 def test_deepseek_v4_what_megatron_cannot_build_is_refused():
-    """DeepSeek-V4 builds (test_deepseek_v4.py); its held attention does not split over tensor-parallel
-    ranks nor trains in fp8, its residual streams are not sent between pipeline stages, and its
-    routers score by sqrt-softplus only."""
+    """DeepSeek-V4 builds (test_deepseek_v4.py); its held attention is replicated over tensor-parallel
+    ranks (so its one KV head need not divide among them) and does not train in fp8, its residual
+    streams are not sent between pipeline stages, and its routers score by sqrt-softplus only."""
     from miles.protocols import BuildsMegatron
     from miles_plugin_megatron import parallel
     from transformers import AutoConfig
@@ -76,8 +76,10 @@ def test_deepseek_v4_what_megatron_cannot_build_is_refused():
     arch = A.arch_of(config(), v4)
     assert arch.hc_mult == 2 and arch.hf_attention
     parallel.check_layout(MegatronConfig(device="cpu", expert_parallel=2), arch, 2)
-    with pytest.raises(MilesError, match=r"tensor_parallel=2: this model's attention .* set trainer.tensor_parallel=1"):
-        parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), arch, 2)
+    parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), arch, 2)
+    with pytest.raises(MilesError, match=r"tensor_parallel=2 does not divide moe_intermediate_size 33"):
+        parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2),
+                              A.arch_of(config(moe_intermediate_size=33), v4), 2)
     with pytest.raises(MilesError, match=r"pipeline_parallel=3: .*model.config.hc_mult"):
         parallel.check_layout(MegatronConfig(device="cpu", pipeline_parallel=3), arch, 3)
     with pytest.raises(MilesError, match="scoring_func 'sigmoid'"):
@@ -174,8 +176,14 @@ def test_gpt_oss_what_megatron_core_cannot_build_is_refused():
         return AutoConfig.for_model("gpt_oss", **{**CONFIGS["gpt_oss"], **over})
 
     arch = A.arch_of(config(), architecture("gpt_oss"))
-    with pytest.raises(MilesError, match="trainer.tensor_parallel=2: this model's experts and router have biases"):
-        parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), arch, 2)
+    # its biased experts stay whole on every TP rank (expert tensor parallel 1): any expert size splits
+    assert arch.whole_experts and arch.expert_tp(2) == 1
+    parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), A.arch_of(config(intermediate_size=33),
+                                                                                     architecture("gpt_oss")), 2)
+    with pytest.raises(MilesError, match="tensor_parallel=2 does not divide the model's 3 KV heads"):
+        parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2),
+                              A.arch_of(config(num_key_value_heads=3, num_attention_heads=6),
+                                        architecture("gpt_oss")), 2)
     yarn = {**CONFIGS["gpt_oss"]["rope_parameters"], "attention_factor": 2.0}
     with pytest.raises(MilesError, match="rope_parameters.attention_factor=2.0"):
         A.arch_of(config(rope_parameters=yarn), architecture("gpt_oss"))

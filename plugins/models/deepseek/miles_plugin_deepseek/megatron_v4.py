@@ -11,8 +11,11 @@ interleaved RoPE undone on the output, a grouped low-rank output projection, and
 heavily compressed (HCA) or compressed sparse (CSA, a lightning indexer's top-k) branch over
 windows of ``compress_rate`` tokens by absolute position) is ``DeepseekV4Attention`` itself, run
 cache-less on ``[b, s, h]`` rows that start at position 0. Its weights keep their Hugging Face
-names under ``self_attention.hf.``; it is not split over tensor-parallel ranks (the trainer refuses
-``trainer.tensor_parallel`` > 1 for it). Imported only for the megatron trainer.
+names under ``self_attention.hf.``. At ``trainer.tensor_parallel`` > 1 it is replicated, not split:
+every TP rank holds all of it and runs it on the same (unsplit, no sequence parallelism) hidden
+states, while the experts, shared expert, embedding and output layer split as megatron-core splits
+them; the trainer averages its gradients over the TP ranks so the copies stay equal. Imported only
+for the megatron trainer.
 """
 from __future__ import annotations
 
@@ -69,9 +72,9 @@ class HeldAttention(MegatronModule):
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
         super().__init__(config=config)
-        if config.tensor_model_parallel_size > 1 or config.context_parallel_size > 1 or config.sequence_parallel:
-            raise MilesError("trainer megatron: DeepSeek-V4's attention runs unsplit: set trainer.tensor_parallel=1 "
-                             "(no context or sequence parallelism)")
+        if config.context_parallel_size > 1 or config.sequence_parallel:
+            raise MilesError("trainer megatron: DeepSeek-V4's attention runs on whole rows: no context or "
+                             "sequence parallelism")
         hf_config = copy.copy(hf_config)
         hf_config._attn_implementation = "eager"  # the only one transformers offers for V4 (sinks, compressed keys)
         self.window = hf_config.sliding_window
