@@ -74,10 +74,6 @@ def sigmoid_moe_megatron(hf: Any) -> dict[str, Any]:
     ``first_k_dense_replace`` layers dense. A ValueError names a setting megatron-core computes
     otherwise."""
     groups, top_groups, top_k = hf.n_group or 1, hf.topk_group or 1, hf.num_experts_per_tok
-    if groups > 1 and top_k != 2 * top_groups:
-        # megatron-core ranks a group by its top (top_k / topk_group) scores; these models by their top 2
-        raise ValueError(f"model.config.num_experts_per_tok ({top_k}) must be 2 x topk_group ({top_groups}) "
-                         f"when n_group > 1 (groups are ranked by their two best experts)")
     if not hf.norm_topk_prob and top_k > 1:
         raise ValueError("model.config.norm_topk_prob: false is not supported (megatron-core renormalises "
                          "the chosen sigmoid scores)")

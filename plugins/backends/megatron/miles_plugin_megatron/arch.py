@@ -340,9 +340,14 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
         if not moe and mlp is not None:
             mlp.linear_fc1, mlp.linear_fc2 = column, row
     if moe and mlp is not None and hasattr(mlp, "router"):
-        from .routing import router_class
+        from .routing import grouped_sigmoid_router, router_class
 
-        mlp.router = router_class(arch) if arch.score == "sqrtsoftplus" else fp32_router()
+        if arch.score == "sqrtsoftplus":
+            mlp.router = router_class(arch)
+        elif arch.groups > 1 and arch.topk != 2 * arch.group_topk:  # megatron-core ranks groups otherwise
+            mlp.router = grouped_sigmoid_router()
+        else:
+            mlp.router = fp32_router()
     if moe and mlp is not None and arch.whole_experts and _submodules(mlp.experts) is not None:
         # an expert adds its output bias in place, which the one-rank reduction's returned view forbids
         experts = _submodules(mlp.experts)

@@ -90,9 +90,26 @@ def test_deepseek_v4_what_megatron_cannot_build_is_refused():
         lowp.check_arch(MegatronConfig(device="cpu", precision="fp8"), arch)
 
 
-def test_routing_megatron_core_cannot_compute_is_refused():
-    with pytest.raises(MilesError, match="num_experts_per_tok .4. must be 2 x topk_group"):
-        A.arch_of(hf_model("deepseek_v3", num_experts_per_tok=4).config, architecture("deepseek_v3"))
+def test_groups_are_ranked_by_their_two_best_experts_as_in_transformers(megatron_cpu):
+    """Top-2 of 8 experts in 4 groups, 2 groups chosen (recipes/arch/deepseek.yaml's routing):
+    megatron-core ranks a group by its best expert alone, transformers by its two best. The
+    trainer's router ranks as transformers does: equal log-probs, and routing maps that differ
+    from megatron-core's own on random logits."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from miles_plugin_megatron.trainer import MegatronTrainer
+
+    over = {"n_group": 4, "topk_group": 2}
+    tr = MegatronTrainer(MegatronConfig(device="cpu", precision="fp32"), spec=Spec("deepseek_v3", **over),
+                         tokenizer=None)
+    b = batch(rows=5)
+    assert (tr.logprobs(b) - hf_logprobs(hf_model("deepseek_v3", **over), b))[b.loss_mask.bool()].abs().max() < 1e-5
+    router = tr.model.decoder.layers[1].mlp.router
+    logits = torch.randn(256, 1, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, ours = router.routing(logits)
+        _, core = topk_routing_with_score_function(logits.view(-1, 8), 2, num_groups=4, group_topk=2,
+                                                   score_function="sigmoid", expert_bias=router.expert_bias)
+    assert (ours != core).any(-1).sum() > 10
 
 
 @pytest.mark.parametrize("family", FAMILIES)
