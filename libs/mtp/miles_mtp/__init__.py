@@ -140,6 +140,11 @@ class MTPBlock(Predicts, torch.nn.Module):
         # the model's embedding and head, unregistered: their names stay the model's own
         self._shared = (model.get_input_embeddings(), model.get_output_embeddings())
 
+    def share(self, embedding: torch.Tensor, head: torch.Tensor) -> None:
+        """Use ``embedding`` and ``head`` ``[V, H]`` as the model's shared weights: a trainer whose
+        policy holds them outside a transformers model (megatron's) hands in their current values."""
+        self._shared = (_Held(embedding), _Held(head))
+
     def parts(self) -> tuple[Any, ...]:
         embed, head = self._shared
         return (lambda ids: torch.nn.functional.embedding(ids, _frozen(embed.weight)), self.pre_fc_norm_embedding,
@@ -149,6 +154,13 @@ class MTPBlock(Predicts, torch.nn.Module):
     def decode(self, x, mask, positions, rotary, cache):
         # through the layer's __call__: a sharded trainer's hooks gather its weights
         return _first(self.layers[0](x, **self._kwargs(x, mask, positions, rotary, cache)))
+
+
+class _Held:
+    """A shared weight held as a module holds it (``.weight``), unregistered."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
 
 
 def _frozen(weight: torch.Tensor) -> torch.Tensor:
@@ -173,16 +185,18 @@ def attention_mask(valid: torch.Tensor, new: int, dtype: torch.dtype) -> torch.T
 
 def mtp_loss(layer: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
              positions: torch.Tensor, rotary: torch.nn.Module, weights: torch.Tensor,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             denom: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``layer``'s logits for token ``i + 2`` from the main model's final hidden
     state ``i`` and token ``i + 1`` over sequences ``ids [B, L]`` (``valid``: their attention mask,
     ``positions``: their position ids), weighted by ``weights [B, L - 2]`` per predicted token
-    ``2 .. L - 1`` (e.g. response tokens only); and the weighted share of those whose argmax is right."""
+    ``2 .. L - 1`` (e.g. response tokens only); and the weighted share of those whose argmax is right.
+    ``denom``: the weights' sum over a whole batch these rows are a part of (default: theirs), so
+    that the parts' losses add up to the batch's."""
     mask = attention_mask(valid[:, :-1], valid.shape[1] - 1, hidden.dtype)
     _, logits = layer(hidden[:, :-1], ids[:, 1:], rotary, positions[:, :-1], mask)
     logits, labels = logits[:, :-1].float(), ids[:, 2:]
     w = weights.to(logits.dtype)
-    denom = w.sum().clamp(min=1)
+    denom = w.sum().clamp(min=1) if denom is None else denom
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
     top1 = ((logits.argmax(-1) == labels).to(w.dtype) * w).sum() / denom
     return (ce * w).sum() / denom, top1.detach()

@@ -21,6 +21,15 @@ from . import mtp_layers, mtp_loss
 OPTIM_FILE = "mtp_optim.pt"
 
 
+def response_weights(batch: Any) -> torch.Tensor:
+    """``[B, L]`` weights of a batch's tokens as targets of the MTP loss: the loss mask on response
+    tokens, 0 on the prompt (token ``i + 2`` is predicted where it is a response token)."""
+    ids = batch.input_ids
+    weights = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    weights[:, batch.prompt_len:] = batch.loss_mask.to(ids.device).float()
+    return weights
+
+
 class MTPTraining:
     """The first MTP layer of ``model`` and its optimizer. ``cfg``: the ``draft:`` section's settings
     (``train``, ``lr``, ``loss_weight``, ``grad_clip``); ``supervised``: the owning trainer runs
@@ -44,7 +53,7 @@ class MTPTraining:
         argmax is the sequence's token)."""
         if not self.active or batch.input_ids is None or batch.attention_mask.dim() != 2:
             return {}
-        ids, mask, P = batch.input_ids, batch.attention_mask, batch.prompt_len
+        ids, mask = batch.input_ids, batch.attention_mask
         if ids.shape[1] < 3:
             return {}
         pos = batch.position_ids if batch.position_ids is not None else (mask.cumsum(-1) - 1).clamp(min=0)
@@ -52,16 +61,26 @@ class MTPTraining:
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
                         output_hidden_states=True, logits_to_keep=1)
             hidden = out.hidden_states[-1].detach()
-        weights = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-        weights[:, P:] = batch.loss_mask.to(ids.device).float()  # token i + 2 is a response token
+        weights = response_weights(batch)
         loss, top1 = mtp_loss(self.layer, hidden, ids, mask, pos, model.model.rotary_emb, weights[:, 2:])
         self.optim.zero_grad(set_to_none=True)
+        self.backward(loss)
+        self.update()
+        return {"mtp_loss": float(loss.detach()), "mtp_top1": float(top1)}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of ``loss`` (an ``mtp_loss``, or a part of one) at the layers' weight."""
         (self.cfg.loss_weight * self.share * loss).backward()
+
+    def update(self, reduce: Any = None) -> None:
+        """One optimizer step on the accumulated gradients, clipped, then cleared; ``reduce(params)``
+        first sums them over the ranks that saw other rows."""
+        if reduce is not None:
+            reduce(self.params)
         if self.cfg.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        return {"mtp_loss": float(loss.detach()), "mtp_top1": float(top1)}
 
     def save(self, path: str) -> None:
         torch.save(self.optim.state_dict(), os.path.join(path, OPTIM_FILE))

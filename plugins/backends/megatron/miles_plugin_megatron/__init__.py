@@ -43,17 +43,13 @@ def _draft_problems(config) -> list[str]:
     if raw is None:
         return []
     from miles.config import validate_settings
-    from miles_draft.check import declares_mtp, problems, speculative
+    from miles_draft.check import problems
 
     out = problems(config, raw, "megatron", validate_settings)
     if config.name("trainer") != "megatron":
         return out
-    drafts = speculative(config).get("draft")
-    if drafts == "mtp" or (not drafts and declares_mtp(config)):
-        out.append("draft: trainer megatron trains the head draft online, not a model's MTP layers "
-                   f"(engine.speculative.draft is {drafts or 'unset'}); use engine.speculative: {{draft: head}}, "
-                   "trainer.name: fsdp2, or remove the draft: section")
     if config.settings("trainer").pipeline_parallel > 1:
-        out.append("draft.train: trainer megatron trains the draft head without pipeline stages (only the last "
-                   "stage sees the final hidden states); use trainer.pipeline_parallel: 1 or remove the draft: section")
+        out.append("draft.train: trainer megatron trains the draft head (or the model's MTP layers) without "
+                   "pipeline stages (only the last stage sees the final hidden states); use "
+                   "trainer.pipeline_parallel: 1 or remove the draft: section")
     return out

@@ -2,12 +2,13 @@
 torch_dist format).
 
 Each rank contributes its shards of the policy, the AdamW moments, the reference model and the
-critic and the draft head (each with its optimizer) as megatron-core sharded state dicts: global tensors described by
-offsets, replicas written once, TP-split ``[gate; up]`` weights re-assembled by megatron-core's own
-factories. On load each rank reads the parts its layout holds, so a checkpoint written at one
-tensor- / expert- / data-parallel size resumes at another. The vocabulary rows (padded to the TP
-size) load across sizes because megatron-core marks them ``allow_shape_mismatch``. Step counts,
-the LR schedule and the RNG state are the common (rank 0) part.
+critic and the draft head or trained MTP layer (each with its optimizer) as megatron-core sharded
+state dicts: global tensors described by offsets, replicas written once, TP-split ``[gate; up]``
+weights re-assembled by megatron-core's own factories. On load each rank reads the parts its layout
+holds, so a checkpoint written at one tensor- / expert- / data-parallel size resumes at another.
+The vocabulary rows (padded to the TP size) load across sizes because megatron-core marks them
+``allow_shape_mismatch``. Step counts, the LR schedule and the RNG state are the common (rank 0)
+part.
 
 Loading runs no code planted in a checkpoint: megatron-core's DCP reader goes through
 miles-safeload's allow-lists (``_safe_reads``), and its common part is read by ``torch.load``
@@ -35,9 +36,10 @@ def _sharded_params(model: torch.nn.Module, prefix: str) -> tuple[dict[str, Any]
 
     if hasattr(model, "sharded_state_dict"):  # a megatron-core module
         sd = model.sharded_state_dict(prefix=prefix)
-    elif prefix == "draft.":  # the draft head, replicated on every rank (no pipeline stages): one writes it
-        sd = {prefix + name: make_sharded_tensor_for_checkpoint(p, prefix + name)
-              for name, p in model.named_parameters()}
+    elif prefix in ("draft.", "mtp."):  # replicated on every rank (no pipeline stages): one writes it
+        # an MTP layer's buffers too (DeepSeek's expert bias): its state dict loads strictly
+        tensors = model.state_dict(keep_vars=True) if prefix == "mtp." else dict(model.named_parameters())
+        sd = {prefix + name: make_sharded_tensor_for_checkpoint(p, prefix + name) for name, p in tensors.items()}
     else:  # the critic: its GPT backbone, plus a norm and head replicated on every rank
         from megatron.core import parallel_state as ps
 
@@ -75,15 +77,16 @@ def _step(optim: torch.optim.Optimizer) -> float:
 
 
 def _parts(trainer: Any, draft: bool = True) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer | None]]:
-    """What a checkpoint holds; ``draft``: the draft head too, if the trainer has one (a checkpoint
-    written without one leaves a new head as it was made)."""
+    """What a checkpoint holds; ``draft``: the draft head (``draft.``) or the trained MTP layer
+    (``mtp.``) too, if the trainer has one (a checkpoint written without it leaves a new head as it
+    was made, an MTP layer as the model's weights gave it)."""
     parts = [("model.", trainer.model, trainer.optim)]
     if trainer.ref is not None:
         parts.append(("ref.", trainer.ref, None))
     if getattr(trainer, "critic", None) is not None:
         parts.append(("critic.", trainer.critic, trainer.critic_optim))
     if draft and trainer.draft is not None:
-        parts.append(("draft.", trainer.draft.head, trainer.draft.optim))
+        parts.append(trainer.draft.checkpoint_part())
     return parts
 
 
@@ -109,6 +112,7 @@ def save(trainer: Any, path: str) -> None:
         "ref": trainer.ref is not None, "critic": getattr(trainer, "critic", None) is not None,
         "critic_step": _step(trainer.critic_optim) if getattr(trainer, "critic", None) is not None else 0.0,
         "draft": trainer.draft is not None,
+        "draft_part": trainer.draft.checkpoint_part()[0] if trainer.draft is not None else None,
         "draft_step": _step(trainer.draft.optim) if trainer.draft is not None else 0.0,
         "layout": {"tensor_parallel": trainer.tp, "expert_parallel": trainer.ep}}
     if trainer.device.type == "cuda":
@@ -159,7 +163,9 @@ def load(trainer: Any, path: str) -> None:
         trainer.snapshot_reference()  # the target layout; its values come from the checkpoint
     if common["critic"] and hasattr(trainer, "build_critic"):  # else a run without critic resumes
         trainer.build_critic()
-    draft = bool(common.get("draft"))
+    # the draft part a checkpoint holds, if this trainer trains the same kind (a head, or MTP layers)
+    draft = (bool(common.get("draft")) and trainer.draft is not None
+             and common.get("draft_part", "draft.") == trainer.draft.checkpoint_part()[0])
     sd = _sharded(trainer, draft)
     with _safe_reads() as readers:
         try:
@@ -178,7 +184,8 @@ def load(trainer: Any, path: str) -> None:
                                  f"{missing[:3]}, unexpected {unexpected[:3]})")
             if optim is not None:
                 _restore(optim, model, loaded[prefix + "optim"], prefix + "optim.",
-                         common[{"critic.": "critic_step", "draft.": "draft_step"}.get(prefix, "step")])
+                         common[{"critic.": "critic_step", "draft.": "draft_step", "mtp.": "draft_step"}.get(
+                             prefix, "step")])
     trainer.weights_changed()
     trainer.sched.load_state_dict(common["sched"])
     torch.set_rng_state(common["rng"])

@@ -45,6 +45,9 @@ def training(settings: dict | None, trainer: Any, hf_config: Any, algorithm: Any
 
 
 class MegatronDraft(HeadTraining):
+    def checkpoint_part(self) -> tuple[str, torch.nn.Module, torch.optim.Optimizer]:
+        return "draft.", self.head, self.optim
+
     def step(self, trainer: Any, batch: Any) -> dict[str, float]:
         """``passes`` optimizer steps of the head on ``batch``, on every rank (collective); the
         metrics are the first pass's."""
@@ -135,7 +138,7 @@ class ExportsHead:
     """``miles.protocols.ExportsDraft`` for the megatron trainer (mixed into it): the policy's weights
     alone, and the head written as ``draft_head.safetensors``."""
 
-    draft: MegatronDraft | None
+    draft: Any
     rank: int
 
     def model_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -147,17 +150,23 @@ class ExportsHead:
         """The draft head as ``draft_head.safetensors`` in ``folder`` (the engine's
         ``engine.speculative.path`` reads it), if this trainer trains one; every rank holds it,
         rank 0 writes it."""
-        if self.draft is None or self.rank != 0:
+        if not isinstance(self.draft, MegatronDraft) or self.rank != 0:  # none, or MTP layers: in the model
             return
         from miles_draft.files import save_head
 
         save_head(dict(self.draft.head.state_dict()), folder)
 
 
-def split_named(named: Iterable[tuple[str, torch.Tensor]], draft: MegatronDraft | None) -> dict[str, torch.Tensor]:
-    """``named`` without the head's weights, which go into ``draft``'s head; a head's weight for a
-    trainer without a draft is an error that says so."""
+def split_named(named: Iterable[tuple[str, torch.Tensor]], draft: Any) -> dict[str, torch.Tensor]:
+    """``named`` without the head's weights, which go into ``draft``'s head (or without the MTP
+    layer's, into the layer ``draft`` trains: ``mtp.MegatronMTP``); a head's weight for a trainer
+    without a draft is an error that says so."""
     from miles_draft.files import split
+
+    from .mtp import MegatronMTP
+
+    if isinstance(draft, MegatronMTP):
+        return draft.take(dict(named))
 
     model, head = split(named)
     if head and draft is None:

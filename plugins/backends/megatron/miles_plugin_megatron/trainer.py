@@ -29,6 +29,7 @@ from . import compute as compute_
 from . import convert
 from . import draft as draft_
 from . import lowp as lowp_
+from . import mtp as mtp_
 from . import parallel as par
 from . import pipeline
 from . import replay as replay_
@@ -44,13 +45,18 @@ def right_aligned(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         raise MilesError("trainer megatron: only 2-D attention masks (left-padded prompt, right-padded "
                          "response) are supported; packed rows (4-D masks) need trainer.name=fsdp2")
     ids, P = batch.input_ids, batch.prompt_len
-    W = ids.shape[1]
-    R = W - P
     lead = (batch.attention_mask[:, :P] == 0).sum(1)
-    src = torch.arange(W, device=ids.device)[None] + lead[:, None]
-    shifted = ids.gather(1, src.clamp(max=W - 1)).masked_fill(src >= W, 0)
-    index = (P - lead - 1)[:, None] + torch.arange(R, device=ids.device)[None]
-    return shifted, index
+    index = (P - lead - 1)[:, None] + torch.arange(ids.shape[1] - P, device=ids.device)[None]
+    return aligned_rows(batch, ids), index
+
+
+def aligned_rows(batch: Batch, t: torch.Tensor) -> torch.Tensor:
+    """``t [B, W]``, laid out per token of ``batch``'s rows, shifted left past the prompt padding
+    as ``right_aligned`` shifts the ids (zeros after each row's end)."""
+    W = t.shape[1]
+    lead = (batch.attention_mask[:, :batch.prompt_len] == 0).sum(1).to(t.device)
+    src = torch.arange(W, device=t.device)[None] + lead[:, None]
+    return t.gather(1, src.clamp(max=W - 1)).masked_fill(src >= W, 0)
 
 
 class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
@@ -96,9 +102,12 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
         self.model, self.compute = self._build(), None
         full = convert.hf_to_full(hf_state, self.arch, self.tp)
         # HF weights Megatron builds nothing for (a checkpoint's multi-token-prediction layers,
-        # kept by the spec): carried unchanged, so weight sync and export keep them
+        # kept by the spec): carried unchanged, so weight sync and export keep them; with a draft:
+        # section the first MTP layer trains instead (mtp.py), else a draft head (draft.py)
         built = set(convert.full_to_hf(full, self.arch, self.fused_experts))
-        self.carried = {k: v for k, v in hf_state.items() if k not in built}
+        self.draft: Any = mtp_.training(draft, self, hf, algorithm)
+        trained = set(self.draft.names.values()) if self.draft is not None else set()
+        self.carried = {k: v for k, v in hf_state.items() if k not in built and k not in trained}
         self._load_full(full)
         # trainer.precision fp8 / mxfp8, trainer.qat: HF names of the weights the forward rounds,
         # sent packed (miles.protocols.SendsPacked); _build makes the linears compute so
@@ -119,9 +128,10 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg, total_steps))
-        # the draft: section: a speculative-decoding draft head beside the policy, with its own
-        # optimizer, trained after each update (draft.py)
-        self.draft = draft_.training(draft, self, hf_config, algorithm)
+        # the draft: section on a model without MTP layers: a speculative-decoding draft head beside
+        # the policy, with its own optimizer, trained after each update (draft.py)
+        if self.draft is None:
+            self.draft = draft_.training(draft, self, hf_config, algorithm)
 
     def _build(self, head: bool = True, tied: bool | None = None,
                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -356,13 +366,14 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
         dense = [p for n, p in named if "local_experts" not in n]
         experts = [p for n, p in named if "local_experts" in n]
         par.all_reduce_grads(dense, self.ps.get_data_parallel_group())
-        if self.tp > 1 and not self.arch.kv_lora_rank:  # per-head q/k norms (not MLA's latent ones)
-            # see only this rank's heads: each holds a partial sum
-            par.all_reduce_grads([p for n, p in named if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))],
+        if self.tp > 1 and not self.arch.kv_lora_rank:  # per-head q/k norms (not MLA's latent ones) and
+            # the DeltaNet's gated norm see only this rank's heads: each holds a partial sum
+            par.all_reduce_grads([p for n, p in named if n.endswith(("q_layernorm.weight", "k_layernorm.weight",
+                                                                     "self_attention.out_norm.weight"))],
                                  self.ps.get_tensor_model_parallel_group())
         if experts:
             par.all_reduce_grads(experts, self.ps.get_expert_data_parallel_group())
-            if self.tp > 1:  # each saw every TP rank's copy of the tokens (arch.train_moe_on_replicated_tokens)
+            if self.tp > 1:  # each saw every TP rank's copy of the tokens (tp_train.py)
                 torch._foreach_mul_([p.grad for p in experts if p.grad is not None], 1 / self.tp)
         if self.tp > 1 and self.arch.hf_attention:  # DeepSeek-V4's attention, replicated: copies kept equal
             par.mean_grads([p for n, p in named if ".self_attention.hf." in n],
@@ -455,7 +466,7 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
         for full in self.full_groups():
             yield from convert.full_to_hf(full, self.arch, self.fused_experts).items()
         yield from self.carried.items()
-        if self.draft is not None:  # every rank holds the whole head
+        if self.draft is not None:  # every rank holds the whole head (or MTP layer)
             yield from self.draft.named()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
