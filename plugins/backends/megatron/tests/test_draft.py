@@ -114,7 +114,7 @@ def test_checkpoint_round_trip_restores_the_head_and_its_optimizer(megatron_cpu,
     assert torch.equal(fresh.fc.weight, exported)
 
 
-def test_config_refuses_mtp_and_pipeline_stages():
+def test_config_accepts_mtp_and_refuses_pipeline_stages():
     from miles.config import resolve
     from miles.errors import ConfigError
     from miles.plugins import make_plugin_manager
@@ -131,9 +131,9 @@ def test_config_refuses_mtp_and_pipeline_stages():
             "trainer": {"name": "megatron", "device": "cpu"}, "draft": {"train": True}}
     load_config(base)  # the head draft at pipeline_parallel 1: accepted
     mtp = {**base, "engine": {"name": "torch", "speculative": {"draft": "mtp"}}}
-    with pytest.raises(ConfigError, match="trainer megatron trains the head draft online, not a model's MTP"):
-        load_config(mtp)
-    with pytest.raises(ConfigError, match="draft.train: trainer megatron .*trainer.pipeline_parallel: 1"):
-        load_config({**base, "trainer": {**base["trainer"], "pipeline_parallel": 2}})
+    load_config(mtp)  # a model's MTP layers: trained by this trainer too (test_mtp.py)
+    for data in (base, mtp):
+        with pytest.raises(ConfigError, match="draft.train: trainer megatron .*trainer.pipeline_parallel: 1"):
+            load_config({**data, "trainer": {**data["trainer"], "pipeline_parallel": 2}})
     with pytest.raises(ConfigError, match="draft.lr"):
         load_config({**base, "draft": {"lr": -1}})
