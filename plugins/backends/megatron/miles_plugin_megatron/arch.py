@@ -446,32 +446,11 @@ def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True,
         from .routing import share_token_ids
 
         share_token_ids(model)
-    if arch.moe and config.tensor_model_parallel_size > 1:
-        train_moe_on_replicated_tokens(model)
+    if config.tensor_model_parallel_size > 1:
+        from .tp_train import unsplit_tokens
+
+        unsplit_tokens(model, arch)
     return model
-
-
-def train_moe_on_replicated_tokens(model: torch.nn.Module) -> None:
-    """Let ``model``'s MoE layers train at tensor_parallel > 1 without sequence parallelism.
-
-    megatron-core raises there in training, a performance guard: every TP rank holds all tokens, so
-    its all-gather dispatcher hands each expert shard every token ``tp`` times (an unsplit expert,
-    at expert tensor parallel 1, sees them on each of the ``tp`` ranks). The forward is exact, and
-    so are the gradients of the tokens and routers; each expert weight's gradient is ``tp`` times
-    its own, which the trainer divides out when it reduces them. The guard alone reads the MoE
-    layer's own ``training`` flag (its router and experts keep theirs), so it is off during forward."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    def guard_off(module: torch.nn.Module, _args: Any) -> None:
-        module.train_after, module.training = module.training, False
-
-    def guard_on(module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        module.training = module.train_after
-
-    for m in model.modules():
-        if isinstance(m, MoELayer):
-            m.register_forward_pre_hook(guard_off)
-            m.register_forward_hook(guard_on)
 
 
 def batch_major_logits(output_layer: torch.nn.Module) -> None:

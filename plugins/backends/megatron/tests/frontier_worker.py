@@ -1,8 +1,8 @@
 """One rank of a 2-rank CPU run (gloo) of the megatron trainer on DeepSeek-V3, GLM-4.5, GLM-5, gpt-oss and Qwen3-Next
 (``frontier.py``), started by test_frontier.py through torch.distributed.run with the TEST-ONLY
 CPU shim: each family at tensor_parallel=2 and at expert_parallel=2 (so data-parallel 2). Writes
-the log-probs' distance from transformers, whether the export is bit-exact and, at EP=2, one
-optimizer step's loss and log-probs after it to ``OUT/{family}_tp{T}_ep{E}_rank{R}.pt``."""
+the log-probs' distance from transformers, whether the export is bit-exact, and one optimizer
+step's loss, gradient norm and log-probs after it to ``OUT/{family}_tp{T}_ep{E}_rank{R}.pt``."""
 import sys
 from pathlib import Path
 
@@ -14,9 +14,8 @@ import cpu_shim  # noqa: E402
 from frontier import Spec, hf_model  # noqa: E402
 from helpers import batch, hf_logprobs  # noqa: E402
 
-# gpt-oss at EP=2 only: its expert biases keep megatron-core's experts unsplit (no TP)
 CASES = [(family, tp, ep) for family in ("deepseek_v3", "glm4_moe") for tp, ep in ((2, 1), (1, 2))]
-CASES.append(("gpt_oss", 1, 2))
+CASES.append(("gpt_oss", 1, 2))  # gpt-oss and DeepSeek-V4 at TP=2: tp2_worker.py
 # Qwen3-Next: the DeltaNet heads split over two TP ranks, and EP=2 with its dense first layer
 CASES += [("qwen3_next", 2, 1), ("qwen3_next", 1, 2)]
 # GLM-5: every TP rank runs the replicated indexer on the same inputs, so they keep the same keys
@@ -27,6 +26,10 @@ def step(trainer, b):
     return trainer.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
 
 
+def case_batch(family: str):
+    return batch(rows=5, **({"prompt": 8, "response": 8} if family == "glm_moe_dsa" else {}))  # GLM-5: keys dropped
+
+
 def run(out: str, family: str, tp: int, ep: int) -> None:
     import torch.distributed as dist
     from miles_plugin_megatron.config import MegatronConfig
@@ -35,7 +38,7 @@ def run(out: str, family: str, tp: int, ep: int) -> None:
     cfg = MegatronConfig(device="cpu", precision="fp32", tensor_parallel=tp, expert_parallel=ep, lr=1e-3,
                          grad_clip=None)
     tr = MegatronTrainer(cfg, spec=Spec(family), tokenizer=None, seed=0, total_steps=10)
-    b = batch(rows=5, **({"prompt": 8, "response": 8} if family == "glm_moe_dsa" else {}))  # GLM-5: keys dropped
+    b = case_batch(family)
     hf = hf_model(family)
     lp = tr.logprobs(b)
     mask = b.loss_mask.bool()
@@ -43,9 +46,8 @@ def run(out: str, family: str, tp: int, ep: int) -> None:
     exported = dict(tr.named_weights())
     result = {"lp_diff": float((lp - hf_logprobs(hf, b))[mask].abs().max()),
               "export_equal": set(exported) == set(hs) and all(torch.equal(exported[k], v) for k, v in hs.items())}
-    if tp == 1:  # megatron-core trains MoE with TP only under sequence parallelism (not offered)
-        result["loss"] = step(tr, b)["loss"]
-        result["after"] = tr.logprobs(b)
+    metrics = step(tr, b)
+    result.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"], after=tr.logprobs(b))
     if family == "qwen3_next" and tp == 2:  # changed weights in a TP=2 checkpoint, for a one-rank resume
         with torch.no_grad():
             for p in tr.model.parameters():
