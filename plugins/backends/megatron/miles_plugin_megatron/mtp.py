@@ -6,7 +6,8 @@ adds its loss to the policy's backward, while DeepSeek-V3's and GLM-4.5's checkp
 layer an embedding and head of its own and the ``draft:`` section trains the layers with their own
 optimizer, lr, loss weight and clip. So the first MTP layer stays the transformers module the
 architecture plugin attached (``miles_mtp.train.MTPTraining``, the fsdp2 trainer's too), in fp32
-like the policy's master weights and replicated on every rank, experts included.
+like the policy's master weights and replicated on every rank, experts included (its weights and
+AdamW moments, 16 bytes a parameter, are held whole on each rank: sharding them is not done).
 
 After each policy update a no-grad forward of the updated policy gives the final (normed) hidden
 states, caught as the input of the output layer, on the right-aligned rows megatron runs; the layer

@@ -7,6 +7,7 @@ import torch
 from frontier import GATED, Spec, architecture, hf_model
 from helpers import batch
 from miles import MilesError
+from miles_mtp import mtp_layers
 from miles_plugin_megatron.config import MegatronConfig
 from miles_telemetry import untimed
 
@@ -42,6 +43,19 @@ def loss_fn(mb, lp):
 
 def mtp_of(named, family="deepseek_v3"):
     return {k: v.clone() for k, v in named if k.startswith(NAMES[family])}  # copies: the layer's are live
+
+
+def torch_engine():
+    """The torch engine drafting with the MTP layer (from the plugin manager: a plugin's test
+    imports no other plugin)."""
+    from types import SimpleNamespace
+
+    from miles.plugins import make_plugin_manager
+
+    pm = make_plugin_manager()
+    cfg = pm.registry("engines")["torch"].config.model_validate({"speculative": {"draft": "mtp", "tokens": 2}})
+    tok = SimpleNamespace(eos_token_id=None, pad_token_id=0)
+    return pm.create("engines", "torch", cfg, spec=MTPSpec("deepseek_v3"), tokenizer=tok, seed=1)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
@@ -97,6 +111,10 @@ def test_named_weights_round_trip_and_export(megatron_cpu, tmp_path):
     assert mtp_of(tr.model_weights()).keys() == moved.keys()  # miles export writes them in these names
     tr.export_draft(str(tmp_path))
     assert not any(tmp_path.iterdir())  # no draft head file: the layer is the model's
+    engine = torch_engine()  # the engine drafting with the model's MTP layer receives it with the policy
+    engine.load_weights(tr.named_weights(), version=1)
+    drafting = mtp_layers(engine.model)[0].state_dict()
+    assert all(torch.equal(drafting[k], v) for k, v in tr.draft.layer.state_dict().items())
     other = make(seed=5)
     other.load_weights(tr.named_weights())
     assert all(torch.equal(v, moved[k]) for k, v in mtp_of(other.named_weights()).items())
