@@ -136,8 +136,6 @@ class TorchEngine(WeightReceiver):
         self._routing = RoutingLog.for_spec(spec, self.model)
         if self._routing is not None and self._fast is not None:
             raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
-        if self._routing is not None and self._mtp is not None:  # it would record the rejected drafts' routes
-            raise MilesError("engine.speculative.draft: mtp cannot run with routing replay; remove engine.speculative")
         # an architecture whose layers do not mask left padding (e.g. token compression by absolute
         # position) batches only prompts of equal length, which need no padding at all
         from miles.protocols import KnowsArchitecture, OffersEngineAttention
@@ -227,6 +225,8 @@ class TorchEngine(WeightReceiver):
                 self._hf_queued -= self._hf_running
                 if self._routing is None:
                     comps = (self._generate_mtp if mtp else self._generate_chunk)(chunk, reps, params, gen, stop_t)
+                elif mtp:  # the verify blocks' rejected positions stay out of the record
+                    comps = self._routing.run_verified(self._generate_mtp, chunk, reps, params, gen, stop_t)
                 else:
                     comps = self._routing.run(self._generate_chunk, chunk, reps, params, gen, stop_t)
                 self._hf_tokens += sum(len(c.token_ids) for c in comps)
@@ -296,11 +296,13 @@ class TorchEngine(WeightReceiver):
         return self._completions(tokens[:, :t + 1], logps[:, :t + 1], lengths, done, aborted)
 
     def _generate_mtp(self, prompts, n: int, params: SamplingParams, gen: torch.Generator,
-                      stop: torch.Tensor) -> list[Completion]:
-        """``_generate_chunk`` with the MTP layer's drafts verified by the model (hf_speculative.py)."""
+                      stop: torch.Tensor, kept: list | None = None) -> list[Completion]:
+        """``_generate_chunk`` with the MTP layer's drafts verified by the model (hf_speculative.py);
+        ``kept``: ``MTPGenerator.generate``'s."""
         if params.max_new_tokens <= 0 or self.interrupt.is_set():
             return self._generate_chunk(prompts, n, params, gen, stop)
-        return self._completions(*self._mtp.generate(prompts, n, params, gen, stop, self.pad_id, self.interrupt))
+        return self._completions(*self._mtp.generate(prompts, n, params, gen, stop, self.pad_id,
+                                                     self.interrupt, kept))
 
     def _completions(self, tokens, logps, lengths, done, aborted: bool) -> list[Completion]:
         tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()

@@ -125,10 +125,13 @@ class MTPGenerator:
         return out.last_hidden_state, getattr(out, self.cache_kw)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, gen: torch.Generator,
-                 stop: torch.Tensor, pad_id: int, interrupt: Any) -> tuple[torch.Tensor, ...]:
+                 stop: torch.Tensor, pad_id: int, interrupt: Any,
+                 fed: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """``n`` samples per prompt (adjacent rows): their tokens and log-probs ``[rows, T]``, lengths,
         whether each stopped, and whether ``interrupt`` cut the call short (``TorchEngine._completions``'s
-        arguments)."""
+        arguments). ``fed`` (routing replay, ``RoutingLog.run_verified``) gets, per verify forward,
+        each row's count of leading block positions that stay fed: the tokens it emitted that step,
+        as the block's position ``i`` feeds the token before its ``i``-th emitted one."""
         from transformers.cache_utils import DynamicCache
 
         model, layer, k, steps = self.model, self.layer, self.k, params.max_new_tokens
@@ -194,6 +197,8 @@ class MTPGenerator:
             first_stop = torch.where(hit.any(1), hit.float().argmax(1), k + 1)
             keep &= (j <= first_stop[:, None]) & (j < (steps - count)[:, None])
             emitted = keep.sum(1)
+            if fed is not None:
+                fed.append(emitted)
             cols = torch.where(keep, count[:, None] + j, tokens.shape[1] - 1)  # the last column: scratch
             tokens.scatter_(1, cols, out)
             logps.scatter_(1, cols, lps)

@@ -5,6 +5,12 @@ chunk runs inside the recorder; its forwards are one prefill of the (left-padded
 decode per step over ``prompts x n`` rows. A completion's record is its prompt's prefill rows
 followed by the decode rows of every response token but the last (which is never fed back):
 ``[prompt + response - 1, layers, top_k]`` int32, in ``Completion.extras``.
+
+With the MTP layer drafting (``hf_speculative.py``) a step's forward is a verify block of ``k + 1``
+positions per row, of which a row keeps the first ``kept`` (its last token and the drafts it
+accepted, up to its stop or token budget): only those rows enter the record, so it is what plain
+generation of the same tokens records. The MTP layer's own routers are not hooked (the
+architectures' ``routers`` skip them), so its draft steps record nothing.
 """
 from __future__ import annotations
 
@@ -26,22 +32,48 @@ class RoutingLog:
     def run(self, chunk: Callable[..., list[Completion]], prompts: Sequence[Sequence[int]], n: int,
             *args: Any) -> list[Completion]:
         """``chunk(prompts, n, *args)``'s completions (``n`` per prompt, adjacent), each with its
-        routed experts."""
+        routed experts; its forwards after the prefill are one-token decodes."""
         with self.recorder.recording():
             comps = chunk(prompts, n, *args)
         forwards = self.recorder.take()
-        if not forwards:  # nothing generated (max_new_tokens 0, or aborted before the prefill)
-            return comps
+        if forwards:
+            fed = torch.tensor([max(len(c.token_ids) - 1, 0) for c in comps])
+            # decode t feeds response token t: a row keeps it while t < its fed count
+            self._attach(comps, prompts, n, forwards, [(t < fed).long() for t in range(len(forwards) - 1)])
+        return comps
+
+    def run_verified(self, chunk: Callable[..., list[Completion]], prompts: Sequence[Sequence[int]], n: int,
+                     *args: Any) -> list[Completion]:
+        """``run`` for a speculative ``chunk(prompts, n, *args, kept)``: its forwards after the
+        prefill are verify blocks ``[rows, k + 1]``, and for each it appends to the list ``kept``
+        every row's count of leading block positions whose tokens stay fed (0 for a finished row)."""
+        kept: list[torch.Tensor] = []
+        with self.recorder.recording():
+            comps = chunk(prompts, n, *args, kept)
+        forwards = self.recorder.take()
+        if forwards:
+            if len(forwards) != len(kept) + 1:
+                raise RuntimeError(f"routing log: {len(forwards) - 1} verify forwards recorded, "
+                                   f"{len(kept)} steps reported")
+            self._attach(comps, prompts, n, forwards, [c.cpu() for c in kept])
+        return comps
+
+    def _attach(self, comps: list[Completion], prompts: Sequence[Sequence[int]], n: int,
+                forwards: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+        """Each completion's record: its prompt's rows of the prefill ``forwards[0]`` (the prompts
+        left-padded to one width), then the first ``kept[s][row]`` positions of step ``s``'s forward."""
         width = max(len(p) for p in prompts)
         prefill = forwards[0].view(len(prompts), width, *forwards[0].shape[1:])
-        decodes = forwards[1:]
+        steps = [f.view(len(comps), -1, *f.shape[1:]) for f in forwards[1:]]
         key = self.recorder.extension
         for r, comp in enumerate(comps):
             p = len(prompts[r // n])
-            fed = max(len(comp.token_ids) - 1, 0)
-            rows = [prefill[r // n, width - p:]] + [d[r:r + 1] for d in decodes[:fed]]
-            comp.extras[key] = {"routed_experts": torch.cat(rows).contiguous()}
-        return comps
+            rows = [prefill[r // n, width - p:]] + [f[r, :int(c[r])] for f, c in zip(steps, kept)]
+            record = torch.cat(rows).contiguous()
+            if record.shape[0] != p + max(len(comp.token_ids) - 1, 0):
+                raise RuntimeError(f"routing log: {record.shape[0]} routed rows for a prompt of {p} and "
+                                   f"{len(comp.token_ids)} generated tokens")
+            comp.extras[key] = {"routed_experts": record}
 
 
 # -- miles serve: SGLang's return_routed_experts ---------------------------------------------------
