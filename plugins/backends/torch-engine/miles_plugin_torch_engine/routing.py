@@ -100,10 +100,14 @@ def routed_of(comp: Completion) -> torch.Tensor | None:
 
 class RoutedFolder:
     """A served model folder whose mixture-of-experts routers record (the ``moe`` model spec over
-    the folder); tokenizer as the plain folder spec's."""
+    the folder); tokenizer and architecture as the plain folder spec's (so the engine learns the
+    family's attention, padding rules and MTP layers, which ``draft: mtp`` drafts with)."""
 
     def __init__(self, folder: Any, routed: Any):
         self.folder, self.routed = folder, routed
+
+    def architecture(self) -> Any:
+        return self.folder.architecture()
 
     def build_tokenizer(self, default: Any = None) -> Any:
         return self.folder.build_tokenizer(default)

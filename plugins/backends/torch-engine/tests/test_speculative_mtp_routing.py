@@ -101,3 +101,24 @@ def test_greedy_records_are_the_plain_engines():
         ra, rb = a.extras["moe"]["routed_experts"], b.extras["moe"]["routed_experts"]
         assert torch.equal(ra.sort(-1).values, rb.sort(-1).values)
     assert 0.0 < engine.step_metrics()["spec_accept_rate"] < 1.0
+
+
+def test_a_served_folder_with_recording_routers_drafts_with_its_mtp_layer(tmp_path):
+    """``miles serve``'s spec stack: a mixture-of-experts folder with the ``moe`` spec's recording
+    routers (``with_routing``) names its architecture, so its stored MTP layer drafts, and the
+    records are the re-run model's."""
+    from miles_plugin_torch_engine.routing import with_routing
+    from miles_plugin_torch_engine.server import FolderSpec
+
+    _, src = _setup()
+    folder = str(tmp_path / "model")
+    src.model.save_pretrained(folder)
+    served = with_routing(FolderSpec(folder), folder)
+    engine = TorchEngine(TorchEngineConfig.model_validate({"speculative": MTP}), spec=served, tokenizer=_Tok(), seed=1)
+    assert engine._mtp is not None
+    out = engine.generate(PROMPTS[:3], SamplingParams(1.0, 1.0, 0, 10, [5], seed=11), n=2)
+    assert 0.0 < engine.step_metrics()["spec_accept_rate"] < 1.0
+    for prompt, comps in zip(PROMPTS, out):
+        for c in comps:
+            want = _rerun(served, engine.model, prompt, c.token_ids)
+            assert torch.equal(c.extras["moe"]["routed_experts"].sort(-1).values, want.sort(-1).values)
