@@ -102,12 +102,9 @@ class FolderSpec:
 
 def served_spec(model_dir: str, cfg: Any) -> Any:
     """The model spec ``miles serve`` loads ``model_dir`` with under engine settings ``cfg``: the
-    folder, with routers that record for a mixture-of-experts model (``return_routed_experts``),
-    except when the MTP layers draft (recorded routes would include the rejected drafts')."""
-    folder = FolderSpec(model_dir)
-    if cfg.speculative is not None and cfg.speculative.draft == "mtp":
-        return folder
-    return with_routing(folder, model_dir)
+    folder, with routers that record for a mixture-of-experts model (``return_routed_experts``;
+    with the MTP layers drafting, only the positions each row kept are recorded)."""
+    return with_routing(FolderSpec(model_dir), model_dir)
 
 
 def _error(message: str, status: int = 400):

@@ -207,7 +207,8 @@ def test_miles_serve_drafts_with_the_mtp_layer_of_its_folder(tmp_path):
     assert torch.equal(dict(engine.model.named_parameters())[name], dict(src.model.named_parameters())[name])
     scheduler = Scheduler(engine)
     app = build_app(engine, scheduler, model_dir=folder)
-    body = {"input_ids": [[2, 3, 4], [2, 5]], "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
+    body = {"input_ids": [[2, 3, 4], [2, 5]], "sampling_params": {"temperature": 0, "max_new_tokens": 10},
+            "return_routed_experts": True}
 
     async def ask():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -221,5 +222,8 @@ def test_miles_serve_drafts_with_the_mtp_layer_of_its_folder(tmp_path):
     plain = TorchEngine(TorchEngineConfig(), spec=FolderSpec(folder), tokenizer=tok, seed=0)
     want = plain.generate(body["input_ids"], SamplingParams(0.0, 1.0, 0, 10, [tok.eos_token_id]))
     assert [o["output_ids"] for o in r.json()] == [c[0].token_ids for c in want]
+    for o, p in zip(r.json(), body["input_ids"]):  # the kept positions' routes: prompt + response - 1 rows
+        shape = o["meta_info"]["routed_experts_shape"]
+        assert shape[0] == len(p) + len(o["output_ids"]) - 1 and len(shape) == 3, shape
     rate = [line for line in metrics.text.splitlines() if line.startswith("miles_engine_spec_accept_rate")]
     assert rate and 0.0 < float(rate[0].split()[-1]) <= 1.0, metrics.text[-2000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -77,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
         params = replace(loop.params, temperature=temperature, max_new_tokens=loop.eval_params.max_new_tokens,
                          seed=loop.cfg.run.seed)
     with loop.mode.lock_engines():
+        t0 = time.perf_counter()
         groups = service.run(tasks, n, params)
+        seconds = time.perf_counter() - t0
     samples = [s for g in groups for s in g.samples]
+    generated = sum(sum(s.loss_mask) for s in samples)  # the model's tokens (not a tool's output)
     rewards = [s.reward for s in samples]
     answer = env.answer if isinstance(env, ExtractsAnswers) else (lambda s: s.response.strip() or None)
     per_prompt = [([answer(s) for s in g.samples], [s.reward >= 1.0 for s in g.samples]) for g in groups]
@@ -87,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                            "temperature": params.temperature,
                            "eval_accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
                            "eval_reward_mean": sum(rewards) / max(len(rewards), 1),
-                           **{f"eval_{k}": v for k, v in extra.items()}, **summarize(per_prompt, ks)}
+                           **{f"eval_{k}": v for k, v in extra.items()}, **summarize(per_prompt, ks),
+                           "rollout_seconds": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)}
     for i, g in enumerate(groups[:args.show]):
         print(_render(g, i + 1, min(args.show, len(groups)), [a for a in per_prompt[i][0]]), flush=True)
     print(json.dumps(out))

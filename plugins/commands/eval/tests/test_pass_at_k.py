@@ -41,5 +41,6 @@ def test_eval_samples_the_arith_and_tool_use_envs(config, overrides, tmp_path, c
     got = json.loads(out[-1])
     assert got["step"] is None and got["prompts"] == 6 and got["samples"] == 3
     assert got["pass@2"] >= got["pass@1"] == pytest.approx(got["eval_accuracy"]) and "maj@2" in got
+    assert got["rollout_seconds"] > 0 and got["generated_tokens_per_s"] > 0  # the model's tokens over that time
     assert sum(line.startswith("--- prompt 1/1") for line in out) == 1
     assert sum(line.startswith("response ") for line in out) == 3
