@@ -117,6 +117,8 @@ def test_trained_head_reaches_the_engines_bit_for_bit(name, server, tmp_path):
         before = weights(loop, PREFIX)
         assert len(before) == 8  # fc, attn_norm, qkv, o, mlp_norm, gate_up, down, norm
         assert client.weight_checksums(list(before)) == {n: W.checksum(t) for n, t in before.items()}
+        if name != "p2p":
+            assert_same(drafting(head, PREFIX), before)
 
         m = loop.rl_step(1)  # rollout (drafting with the head), policy and draft updates, push
         remote.sync(c.trainer, [client], loop.version)
