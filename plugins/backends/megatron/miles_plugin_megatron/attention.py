@@ -33,6 +33,14 @@ class SDPAttention(torch.nn.Module):
         elif config.softmax_type != "vanilla":
             raise MilesError(f"trainer megatron: softmax_type {config.softmax_type!r} is not supported")
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The sinks split by head over the TP ranks, as the heads are (megatron-core's
+        ``DotProductAttention`` marks them so too), so a checkpoint loads at another TP size."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                   {"softmax_offset": 0}, sharded_offsets)
+
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_):
         sq, b, heads, dim = query.shape

@@ -3,7 +3,8 @@ both). V4's attention (transformers' own module) is replicated on both ranks whi
 shared expert, embedding and output layer split; gpt-oss' heads split with their sinks and biases,
 its biased experts stay whole on both ranks. The weights go HF -> TP=2 shards -> HF bit-exactly, the
 log-probs equal transformers' in fp32, and one optimizer step has one rank's loss, gradients (the
-norm and every tensor) and updated weights; the replicated tensors stay equal on both ranks."""
+norm and every tensor) and updated weights; the replicated tensors stay equal on both ranks, and
+the TP=2 checkpoint resumes on one rank."""
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from frontier import hf_model
 from helpers import batch
 from tp2_worker import FAMILIES, step_with_grads, trainer
 
@@ -64,4 +66,8 @@ def test_tensor_parallel_2_matches_transformers_and_one_rank(two_ranks, megatron
     mine = dict(one.named_weights())
     for k, v in ranks[0]["weights"].items():
         assert (mine[k] - v).abs().max() < 1e-4, k
+    assert (one.logprobs(b) - ranks[0]["after"]).abs().max() < 1e-5
+    one.load_weights(hf_model(family).state_dict().items())  # back to the first weights
+    assert (one.logprobs(b) - ranks[0]["after"]).abs().max() > 1e-3
+    one.load(str(two_ranks / f"{family}_ckpt"))
     assert (one.logprobs(b) - ranks[0]["after"]).abs().max() < 1e-5

@@ -6,7 +6,8 @@ layer split) and gpt-oss (heads and their sinks split; biased experts whole on b
 Per family it writes ``OUT/{family}_rank{R}.pt``: the log-probs' distance from transformers', whether
 the export is bit-exact, this rank's tensor shapes, one optimizer step's loss, gradient norm and
 full (TP-gathered) gradients, the weights and log-probs after it, and this rank's replicated
-tensors (which must stay equal on both ranks)."""
+tensors (which must stay equal on both ranks); and a checkpoint after the step,
+``OUT/{family}_ckpt``."""
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ def run(out: str, family: str) -> None:
                   replicated={k: v.clone() for k, v in tr.model.state_dict().items()
                               if not k.endswith("_extra_state") and convert.tp_dim(k, tr.arch) is None})
     weights = dict(tr.named_weights())
+    tr.save(str(Path(out) / f"{family}_ckpt"))
     if dist.get_rank() == 0:  # both ranks gather the same full tensors: one writes them
         result.update(grads=grads, weights=weights)
     torch.save(result, Path(out) / f"{family}_rank{dist.get_rank()}.pt")
