@@ -77,7 +77,7 @@ def test_draft_section_needs_a_head_in_the_engine(tmp_path, capsys):
 
 def test_a_model_declaring_mtp_layers_trains_them_without_the_engine_drafting():
     """Qwen3-Next's MTP layers train online with no engine.speculative set (the engine does not
-    draft); megatron trains heads only and says so."""
+    draft), with either trainer; megatron refuses pipeline stages for them and says so."""
     from miles import MilesError
     from miles.cli import load
 
@@ -85,5 +85,19 @@ def test_a_model_declaring_mtp_layers_trains_them_without_the_engine_drafting():
     load(str(ROOT / "tests/tiny.yaml"), mtp, [])
     with pytest.raises(MilesError, match="engine.speculative: {draft: head}"):
         load(str(ROOT / "tests/tiny.yaml"), ["draft.train=true"], [])
-    with pytest.raises(MilesError, match="trainer megatron trains the head draft online.*unset"):
-        load(str(ROOT / "tests/tiny.yaml"), [*mtp, "trainer.name=megatron"], [])
+    with pytest.raises(MilesError, match="pipeline"):
+        load(str(ROOT / "tests/tiny.yaml"), [*mtp, "trainer.name=megatron", "trainer.pipeline_parallel=2"], [])
+
+
+def test_launched_trainer_ranks_train_the_draft_for_the_launchers_engines(monkeypatch):
+    """A launcher gives its trainer ranks ``engine: {name: sglang, urls: [...]}`` (its ``miles
+    serve`` workers, which draft) and keeps the draft: section: those ranks accept it; a run
+    configured by hand with a non-drafting engine does not."""
+    from miles import MilesError
+    from miles.cli import load
+
+    ranks = ["draft.train=true", "engine={name: sglang, urls: ['http://127.0.0.1:1']}"]
+    with pytest.raises(MilesError, match="engine.speculative: {draft: head}"):
+        load(str(ROOT / "tests/tiny.yaml"), ranks, [])
+    monkeypatch.setenv("MILES_LAUNCHED", "1")
+    load(str(ROOT / "tests/tiny.yaml"), ranks, [])

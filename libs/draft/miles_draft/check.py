@@ -4,6 +4,7 @@ plugins that train a draft: each calls ``problems`` with its own name from its
 ``TRAINERS`` when the run's trainer trains no draft)."""
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 TRAINERS = ("fsdp2", "megatron")  # trainers that train a draft online
@@ -60,7 +61,10 @@ def problems(config: Any, raw: Any, me: str, validate: Callable[[Any, str, dict,
     # a model's MTP layers may train without the engine drafting (e.g. where the engine's forward is
     # not the fast path's or drafting is off): they are the model's own weights, synced and exported with it
     mtp_only = not drafts and declares_mtp(config)
-    if not mtp_only and (config.name("engine") != "torch" or drafts not in ("head", "mtp")):
+    # a trainer rank that a launcher started drives the launcher's `miles serve` workers through the
+    # sglang client; the launcher checked the run's own engine section (torch, drafting) already
+    launched = bool(os.environ.get("MILES_LAUNCHED")) and config.name("engine") == "sglang"
+    if not mtp_only and not launched and (config.name("engine") != "torch" or drafts not in ("head", "mtp")):
         out.append("draft: trains a draft head (or a model's MTP layers) that weight syncs send to the engine, "
                    "which needs to draft with it: set engine.speculative: {draft: head} (or {draft: mtp} for a "
                    "model with MTP layers; engine.name: torch); a model whose config declares MTP layers may "
