@@ -90,13 +90,13 @@ class Arch:
     yarn_truncate: bool = True  # correction range rounded to whole dimensions
     yarn_mscale: tuple[float, float] | None = None  # (mscale, mscale_all_dim); None: from the factor alone
     # DeepSeek-V4: ``hc_mult`` residual streams (hyper.py; 1: one), hash-routed MoE layers (routing.py),
-    # and an attention that is transformers' own module, held by the architecture's edit (replicated
-    # on every tensor-parallel rank)
+    # and an attention that is transformers' own module, held by the architecture's edit (split by head)
     hc_mult: int = 1
     hc_sinkhorn_iters: int = 0
     hc_eps: float = 0.0
     hash_layers: tuple[int, ...] = ()
     hf_attention: bool = False
+    out_groups: int = 0  # the held attention's grouped output projection: TP splits heads in whole groups
 
     @property
     def moe(self) -> bool:

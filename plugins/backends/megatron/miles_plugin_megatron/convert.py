@@ -36,7 +36,10 @@ _TP_DIM = {"self_attention.linear_qkv.weight": 0, "self_attention.linear_qkv.bia
            "self_attention.linear_kv_up_proj.weight": 0,
            "mlp.shared_experts.linear_fc1.weight": 0, "mlp.shared_experts.linear_fc2.weight": 1,
            # learned attention sinks: one per query head, split as the heads are
-           "self_attention.core_attention.softmax_offset": 0, "linear_fc1.bias": 0, "mlp.linear_fc1.bias": 0}
+           "self_attention.core_attention.softmax_offset": 0, "linear_fc1.bias": 0, "mlp.linear_fc1.bias": 0,
+           # DeepSeek-V4's held attention, split by head (its parts all heads share stay whole)
+           "self_attention.hf.q_b_proj.weight": 0, "self_attention.hf.sinks": 0,
+           "self_attention.hf.o_a_proj.weight": 0, "self_attention.hf.o_b_proj.weight": 1}
 _TP_DIM.update(gated.TP_DIM)  # gated DeltaNet (convert_gated.py)
 # multi-latent attention: Megatron name -> HF name under ``self_attn.``
 _MLA = {"linear_q_proj.weight": "q_proj.weight", "linear_q_down_proj.weight": "q_a_proj.weight",

@@ -42,9 +42,11 @@ def check_layout(cfg: MegatronConfig, arch: Arch, world: int) -> None:
                    f"trainer.pipeline_parallel = {tp} * {pp}")
     if arch.num_layers % pp:
         bad.append(f"trainer.pipeline_parallel={pp} does not divide the model's {arch.num_layers} layers")
-    split = []  # sizes TP ranks divide: heads (not of DeepSeek-V4's attention, replicated on every
-    if not arch.hf_attention:  # rank), a dense FFN where a layer has one, the DeltaNet heads
-        split += [(arch.heads, "attention heads"), (arch.kv_heads, "KV heads (num_key_value_heads)")]
+    split = [(arch.heads, "attention heads")]  # sizes TP ranks divide
+    if arch.hf_attention:  # DeepSeek-V4: one KV head shared by all (whole on each rank), heads in whole groups
+        split.append((arch.out_groups, "output groups (o_groups)"))
+    else:
+        split.append((arch.kv_heads, "KV heads (num_key_value_heads)"))
     if not all(arch.moe_layer(i) for i in range(arch.num_layers)):
         split.append((arch.ffn, "intermediate_size"))
     if arch.linear_layers:
@@ -158,13 +160,3 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
         for g, x in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(x)
 
-
-def mean_grads(params: list[torch.nn.Parameter], group: Any) -> None:
-    """Average the gradients of a module replicated over ``group``. Its copies see the same inputs
-    and gradients, so they agree up to the order of atomic adds in backward kernels (gathers,
-    index-adds), which would otherwise let the copies drift apart over steps."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    all_reduce_grads(params, group)
-    torch._foreach_mul_([p.grad for p in params if p.requires_grad], 1 / size)

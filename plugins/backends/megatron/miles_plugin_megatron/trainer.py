@@ -375,9 +375,10 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
             par.all_reduce_grads(experts, self.ps.get_expert_data_parallel_group())
             if self.tp > 1:  # each saw every TP rank's copy of the tokens (tp_train.py)
                 torch._foreach_mul_([p.grad for p in experts if p.grad is not None], 1 / self.tp)
-        if self.tp > 1 and self.arch.hf_attention:  # DeepSeek-V4's attention, replicated: copies kept equal
-            par.mean_grads([p for n, p in named if ".self_attention.hf." in n],
-                           self.ps.get_tensor_model_parallel_group())
+        if self.tp > 1 and self.arch.hf_attention:  # DeepSeek-V4's attention: the parts its heads share
+            par.all_reduce_grads([p for n, p in named if ".self_attention.hf." in n  # see this rank's heads
+                                  and convert.tp_dim(pipeline.unchunked(n)) is None],
+                                 self.ps.get_tensor_model_parallel_group())
 
     def _clip(self, named: list[tuple[str, torch.nn.Parameter]] | None = None) -> float:
         """The global gradient norm, after scaling the gradients down to ``grad_clip``."""

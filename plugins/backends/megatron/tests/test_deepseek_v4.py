@@ -2,7 +2,7 @@
 streams), sqrt-softplus routing with an expert bias, a hash-routed first MoE layer, and transformers'
 own attention (heavily compressed, compressed sparse with its indexer, sliding window) held in
 megatron-core's layers. HF <-> Megatron conversion is bit-exact at TP 1/2 x EP 1/2 (the held
-attention whole on every TP rank); one rank's log-probs in fp32 equal transformers' (each row on its
+attention split by head); one rank's log-probs in fp32 equal transformers' (each row on its
 own: V4's compressors ignore the padding mask), each of those parts is live, R3 replays the recorded
 experts, optimizer steps lower the loss and a checkpoint resumes. Two TP ranks:
 test_frontier_tp2.py."""
@@ -40,9 +40,12 @@ def test_round_trip_bit_exact(tp, ep):
     shards = {(t, e): C.shard(full, arch, tp=tp, tp_rank=t, ep=ep, ep_rank=e) for t in range(tp) for e in range(ep)}
     last = shards[(tp - 1, ep - 1)]
     assert sum(".local_experts." in k for k in last) == 3 * 8 // ep * 2
-    # the held attention whole on every TP rank; experts, shared expert and vocabulary split
-    held = "decoder.layers.1.self_attention.hf.compressor.indexer.q_b_proj.weight"
-    assert torch.equal(last[held], full[held])
+    # the held attention split by head (what its heads share whole); experts, shared expert and vocabulary split
+    shared = "decoder.layers.1.self_attention.hf.compressor.indexer.q_b_proj.weight"
+    assert torch.equal(last[shared], full[shared])
+    heads = "decoder.layers.1.self_attention.hf.q_b_proj.weight"  # 4 heads x 32
+    assert torch.equal(last[heads], full[heads][(tp - 1) * 128 // tp:])
+    assert last["decoder.layers.1.self_attention.hf.o_b_proj.weight"].shape == (64, 2 * 16 // tp)  # 2 groups
     for name in ("decoder.layers.2.mlp.experts.local_experts.0.linear_fc2.weight",
                  "decoder.layers.1.mlp.shared_experts.linear_fc2.weight"):
         assert last[name].shape == (64, 32 // tp)

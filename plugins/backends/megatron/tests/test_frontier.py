@@ -61,9 +61,10 @@ def test_a_family_without_megatron_description_is_refused():
 
 
 def test_deepseek_v4_what_megatron_cannot_build_is_refused():
-    """DeepSeek-V4 builds (test_deepseek_v4.py); its held attention is replicated over tensor-parallel
-    ranks (so its one KV head need not divide among them) and does not train in fp8, its residual
-    streams are not sent between pipeline stages, and its routers score by sqrt-softplus only."""
+    """DeepSeek-V4 builds (test_deepseek_v4.py); its held attention splits over tensor-parallel ranks
+    by head in whole output groups (its one KV head shared, whole on each) and does not train in
+    fp8, its residual streams are not sent between pipeline stages, and its routers score by
+    sqrt-softplus only."""
     from miles.protocols import BuildsMegatron
     from miles_plugin_megatron import parallel
     from transformers import AutoConfig
@@ -77,6 +78,8 @@ def test_deepseek_v4_what_megatron_cannot_build_is_refused():
     assert arch.hc_mult == 2 and arch.hf_attention
     parallel.check_layout(MegatronConfig(device="cpu", expert_parallel=2), arch, 2)
     parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), arch, 2)
+    with pytest.raises(MilesError, match=r"tensor_parallel=2 does not divide the model's 1 output groups"):
+        parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2), A.arch_of(config(o_groups=1), v4), 2)
     with pytest.raises(MilesError, match=r"tensor_parallel=2 does not divide moe_intermediate_size 33"):
         parallel.check_layout(MegatronConfig(device="cpu", tensor_parallel=2),
                               A.arch_of(config(moe_intermediate_size=33), v4), 2)

@@ -1,7 +1,7 @@
 """One rank of a 2-rank CPU run (gloo) of the megatron trainer at tensor_parallel=2, started by
 test_frontier_tp2.py through torch.distributed.run with the TEST-ONLY CPU shim: DeepSeek-V4
-(transformers' attention replicated on both ranks; experts, shared expert, embedding and output
-layer split) and gpt-oss (heads and their sinks split; biased experts whole on both ranks).
+(transformers' attention split by head, what its heads share whole on both ranks; experts, shared
+expert, embedding and output layer split) and gpt-oss (heads and their sinks split; biased experts whole on both ranks).
 
 Per family it writes ``OUT/{family}_rank{R}.pt``: the log-probs' distance from transformers', whether
 the export is bit-exact, this rank's tensor shapes, one optimizer step's loss, gradient norm and

@@ -11,11 +11,13 @@ interleaved RoPE undone on the output, a grouped low-rank output projection, and
 heavily compressed (HCA) or compressed sparse (CSA, a lightning indexer's top-k) branch over
 windows of ``compress_rate`` tokens by absolute position) is ``DeepseekV4Attention`` itself, run
 cache-less on ``[b, s, h]`` rows that start at position 0. Its weights keep their Hugging Face
-names under ``self_attention.hf.``. At ``trainer.tensor_parallel`` > 1 it is replicated, not split:
-every TP rank holds all of it and runs it on the same (unsplit, no sequence parallelism) hidden
-states, while the experts, shared expert, embedding and output layer split as megatron-core splits
-them; the trainer averages its gradients over the TP ranks so the copies stay equal. Imported only
-for the megatron trainer.
+names under ``self_attention.hf.``. At ``trainer.tensor_parallel`` > 1 its heads split over the TP
+ranks in whole output groups (``o_groups``): each rank's module is transformers' own built for its
+heads (``q_b_proj`` rows, sinks, ``o_a_proj`` groups, ``o_b_proj`` columns, ``SPLIT``), and its
+outputs are summed over the ranks as a row-parallel projection's are. The parts all heads share
+(the query and key down-projections, the compressor and its indexer) are whole on every rank and
+run on the same hidden states; the trainer sums their gradients over the TP ranks (each rank's
+covers its heads). Imported only for the megatron trainer.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from miles import MilesError
 
+# the held module's weights split over TP ranks by head (each rank's heads are whole output groups),
+# and their axis; the rest (shared by every head) is whole on each rank
+SPLIT = {"hf.q_b_proj.weight": 0, "hf.sinks": 0, "hf.o_a_proj.weight": 0, "hf.o_b_proj.weight": 1}
 
 
 def megatron_arch(hf: Any) -> dict[str, Any]:
@@ -51,7 +56,7 @@ def megatron_arch(hf: Any) -> dict[str, Any]:
                 shared_ffn=hf.moe_intermediate_size, glu_limit=float(hf.swiglu_limit),
                 hash_layers=tuple(i for i, kind in enumerate(kinds) if kind == "hash_moe"),
                 hc_mult=hf.hc_mult, hc_sinkhorn_iters=hf.hc_sinkhorn_iters, hc_eps=float(hf.hc_eps),
-                hf_attention=True, kv_heads=1, head_dim=hf.head_dim)
+                hf_attention=True, kv_heads=1, head_dim=hf.head_dim, out_groups=hf.o_groups)
 
 
 def layer_spec(spec: Any, hf: Any) -> Any:
@@ -77,17 +82,31 @@ class HeldAttention(MegatronModule):
                              "sequence parallelism")
         hf_config = copy.copy(hf_config)
         hf_config._attn_implementation = "eager"  # the only one transformers offers for V4 (sinks, compressed keys)
-        self.window = hf_config.sliding_window
-        self.hf = DeepseekV4Attention(hf_config, layer_number - 1).to(config.params_dtype)
+        self.window, self.tp = hf_config.sliding_window, config.tensor_model_parallel_size
+        mine = copy.copy(hf_config)  # this rank's heads (trainer.tensor_parallel divides both: check_layout)
+        mine.num_attention_heads //= self.tp
+        mine.o_groups //= self.tp
+        self.hf = DeepseekV4Attention(mine, layer_number - 1).to(config.params_dtype)
         for name, p in self.hf.named_parameters():  # fp32 in transformers whatever the model's dtype
             if name.endswith(("sinks", "position_bias")) or "q_a_norm." in name or "kv_norm." in name:
                 p.data = p.data.float()
         self.rotary = DeepseekV4RotaryEmbedding(hf_config)  # buffers only, none stored
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The head-split weights as TP-sharded tensors, so a checkpoint loads at another TP size."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, SPLIT,
+                                                   sharded_offsets)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, *_: Any,
                 packed_seq_params: Any = None, **__: Any) -> tuple[torch.Tensor, None]:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
         if packed_seq_params is not None:
             raise MilesError("trainer megatron: DeepSeek-V4's attention does not take packed sequences")
+        if self.tp > 1:
+            hidden_states = _SumGradOverHeads.apply(hidden_states)
         x = hidden_states.transpose(0, 1)  # [b, s, h]
         b, s = x.shape[:2]
         pos = torch.arange(s, device=x.device).expand(b, s)
@@ -96,4 +115,24 @@ class HeldAttention(MegatronModule):
         allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.window)
         mask = torch.zeros(s, s, dtype=x.dtype, device=x.device).masked_fill(~allowed, torch.finfo(x.dtype).min)
         out, _ = self.hf(x, position_embeddings=tables, position_ids=pos, attention_mask=mask.expand(b, 1, s, s))
-        return out.transpose(0, 1).contiguous(), None
+        out = out.transpose(0, 1).contiguous()
+        return (reduce_from_tensor_model_parallel_region(out) if self.tp > 1 else out), None
+
+
+class _SumGradOverHeads(torch.autograd.Function):
+    """Identity forward; backward: the input's gradient (each TP rank's covers its heads) summed over
+    the TP ranks. As megatron-core's ``copy_to_tensor_model_parallel_region``, except that this one
+    reduces a strided gradient (the transpose's) too: that one reduces a contiguous copy and drops it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
+        return grad
