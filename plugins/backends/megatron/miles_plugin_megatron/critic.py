@@ -25,7 +25,8 @@ from miles import Batch, MilesError
 from miles.protocols import CriticAlgorithm
 
 from . import pipeline
-from .trainer import MegatronTrainer, right_aligned
+from .rows import right_aligned
+from .trainer import MegatronTrainer
 
 
 class ValueModel(torch.nn.Module):

@@ -80,7 +80,7 @@ class MegatronDraft(HeadTraining):
               lm_head: torch.Tensor, denoms: list[torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
         """One optimizer step of the head over the micro-batches of ``batch``; ``sums`` gathers its
         metrics."""
-        from .trainer import right_aligned
+        from .rows import right_aligned
 
         self.optim.zero_grad(set_to_none=True)
         for run, real in trainer._micro(batch)[0]:  # every micro-batch runs: MoE collectives line up

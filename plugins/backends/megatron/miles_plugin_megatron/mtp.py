@@ -80,7 +80,7 @@ class MegatronMTP(MTPTraining):
         if not self.active or batch.input_ids.shape[1] < 3:
             return {}
         from .draft import vocab_weights
-        from .trainer import aligned_rows
+        from .rows import aligned_rows
 
         model = trainer.policy_module()
         if isinstance(self.layer, MTPBlock):

@@ -73,7 +73,7 @@ def test_logprobs_equal_transformers_and_each_part_is_live(trainer):
     export is exact; changing any of the table, the expert bias, a hyper-connection, the head,
     the compressor, the indexer or the sinks in transformers changes its log-probs, and loading
     that changed model into the trainer brings both together again."""
-    from miles_plugin_megatron.trainer import right_aligned
+    from miles_plugin_megatron.rows import right_aligned
     from replay_helpers import MegatronRouting, as_sets
 
     tr = trainer
