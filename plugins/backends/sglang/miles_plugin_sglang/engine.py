@@ -26,6 +26,7 @@ from miles.protocols import RecordsRouting
 from .config import SGLangEngineConfig
 from .router import Router, Server, int_version
 from .routing import attach, join_routed
+from .speculative import Acceptance
 from .stats import ServerStats
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
@@ -56,6 +57,7 @@ class SGLangEngine:
         api_key = cfg.api_key or os.environ.get(cfg.api_key_env) or None
         self.router: Router = self._run(self._make_router(api_key))
         self._stats = ServerStats(self.router, self._loop)
+        self._acceptance = Acceptance()  # speculative decoding's, from the outputs' meta_info
         self._health_task = None
         self._weights_dir = cfg.weights_dir
         try:
@@ -156,7 +158,10 @@ class SGLangEngine:
         if self.routed_experts:
             body["return_routed_experts"] = True
         data, _ = await self.router.post("/generate", body)
-        return (data if isinstance(data, list) else [data]), pauses
+        outs = data if isinstance(data, list) else [data]
+        for out in outs:
+            self._acceptance.add(out)
+        return outs, pauses
 
     async def _resume(self, pieces: list[tuple[list[int], Completion, int | None]],
                       params: SamplingParams) -> None:
@@ -400,6 +405,11 @@ class SGLangEngine:
         and queued sequences, KV cache use, tokens generated, speculative acceptance; waits at
         most ``stats.TIMEOUT_S``, a server that does not answer keeps its last reading (stale)."""
         return self._stats.read()
+
+    def step_metrics(self) -> dict[str, float]:
+        """Speculative decoding's ``spec_accept_len`` and ``spec_accept_rate`` over the outputs
+        received since the last call (``miles.protocols.EngineStepMetrics``; ``speculative.py``)."""
+        return self._acceptance.drain()
 
     def server_stats(self) -> dict[str, dict]:
         """Per server: requests answered, outstanding, healthy, stale."""

@@ -301,8 +301,13 @@ class TorchEngine(WeightReceiver):
         ``kept``: ``MTPGenerator.generate``'s."""
         if params.max_new_tokens <= 0 or self.interrupt.is_set():
             return self._generate_chunk(prompts, n, params, gen, stop)
-        return self._completions(*self._mtp.generate(prompts, n, params, gen, stop, self.pad_id,
-                                                     self.interrupt, kept))
+        from .spec_meta import EXTRAS_KEY
+
+        rows, counts = self._mtp.generate(prompts, n, params, gen, stop, self.pad_id, self.interrupt, kept)
+        comps = self._completions(*rows)
+        for c, spec in zip(comps, counts):
+            c.extras[EXTRAS_KEY] = spec
+        return comps
 
     def _completions(self, tokens, logps, lengths, done, aborted: bool) -> list[Completion]:
         tokens, logps = tokens.cpu().tolist(), logps.cpu().tolist()

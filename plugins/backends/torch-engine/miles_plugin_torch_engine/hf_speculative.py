@@ -30,6 +30,7 @@ from miles_mtp import attention_mask
 
 from .engine import _left_pad, _repeat_cache, _sample
 from .rejection import acceptance, propose_token, sampling_probs, verify
+from .spec_meta import spec_counts
 from .speculative import AUTO_MAX_BATCH
 
 _KEY = "engine.speculative.draft"
@@ -126,12 +127,13 @@ class MTPGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, gen: torch.Generator,
                  stop: torch.Tensor, pad_id: int, interrupt: Any,
-                 fed: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+                 fed: list[torch.Tensor] | None = None) -> tuple[tuple[torch.Tensor, ...], list[dict]]:
         """``n`` samples per prompt (adjacent rows): their tokens and log-probs ``[rows, T]``, lengths,
         whether each stopped, and whether ``interrupt`` cut the call short (``TorchEngine._completions``'s
-        arguments). ``fed`` (routing replay, ``RoutingLog.run_verified``) gets, per verify forward,
-        each row's count of leading block positions that stay fed: the tokens it emitted that step,
-        as the block's position ``i`` feeds the token before its ``i``-th emitted one."""
+        arguments); and each row's ``spec_meta.spec_counts`` (its verify steps and drafts). ``fed``
+        (routing replay, ``RoutingLog.run_verified``) gets, per verify forward, each row's count of
+        leading block positions that stay fed: the tokens it emitted that step, as the block's
+        position ``i`` feeds the token before its ``i``-th emitted one."""
         from transformers.cache_utils import DynamicCache
 
         model, layer, k, steps = self.model, self.layer, self.k, params.max_new_tokens
@@ -149,6 +151,8 @@ class MTPGenerator:
         logps = torch.zeros((rows, steps + k + 1), dtype=torch.float32, device=dev)
         tokens[:, 0], logps[:, 0] = tok, lp
         count = torch.ones(rows, dtype=torch.long, device=dev)
+        row_steps = torch.zeros(rows, dtype=torch.long, device=dev)  # verify steps each row took part in
+        row_accepted = torch.zeros(rows, dtype=torch.long, device=dev)
         done = torch.isin(tok, stop)
         at, j = torch.arange(rows, device=dev), torch.arange(k + 1, device=dev)
         # the target's cache slots that hold a token (holes: rejected drafts) and the next position
@@ -207,6 +211,8 @@ class MTPGenerator:
             self.totals["steps"] += int(active.sum())
             self.totals["emitted"] += int(emitted.sum())
             self.totals["accepted"] += int(accepted[active].sum())
+            row_steps += active
+            row_accepted += torch.where(active, accepted, 0)
             # roll back: the chain's MTP entries, and the target's positions every row rejected
             if k > 1:
                 mcache.crop(-(k - 1))
@@ -226,7 +232,8 @@ class MTPGenerator:
         if ran:
             self.accept_rate = (self.totals["accepted"] - before["accepted"]) / (ran * k)
         width = int(count.max())
-        return tokens[:, :width], logps[:, :width], count, done, aborted
+        counts = [spec_counts(s, a, k) for s, a in zip(row_steps.tolist(), row_accepted.tolist())]
+        return (tokens[:, :width], logps[:, :width], count, done, aborted), counts
 
 
 def setup_mtp(cfg: Any, model: torch.nn.Module, spec: Any, cache_kw: str) -> MTPGenerator:

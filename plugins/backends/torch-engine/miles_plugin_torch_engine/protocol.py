@@ -15,6 +15,7 @@ from miles import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .routing import encode_routed, routed_of
+from .spec_meta import spec_meta_info
 
 if TYPE_CHECKING:
     from .scheduler import Request
@@ -217,5 +218,7 @@ def format_outputs(req: Request, body: GenerateBody, tokenizer: Any, started: fl
                 for lp, t in zip(comp.logprobs if comp else [], tokens)]
         if body.return_routed_experts and comp is not None and routed_of(comp) is not None:
             meta.update(encode_routed(routed_of(comp)))
+        if comp is not None:  # a drafted completion's verify steps and drafts, as SGLang reports them
+            meta.update(spec_meta_info(comp.extras))
         out.append({"text": text, "output_ids": list(tokens), "meta_info": meta})
     return out

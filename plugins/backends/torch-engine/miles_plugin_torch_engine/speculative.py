@@ -32,6 +32,7 @@ from .cuda_graphs import DecodeRunner
 from .fast import LlamaFamilyForward, _lin
 from .rejection import acceptance, sampling_probs, verify
 from .spec_graphs import SpecGraphs
+from .spec_meta import EXTRAS_KEY, spec_counts
 
 # rows above which a step stops paying (a generate call of more rows decodes without drafts),
 # measured by `python benchmarks/speculative.py --decode` (CPU) and `... --decode --device cuda`
@@ -132,6 +133,7 @@ class SpecGenerator(FastGenerator):
         self._bucketed = drafter.reads_length or not fwd.use_triton
         self.totals = {"steps": 0, "emitted": 0, "accepted": 0}  # row-steps; drained by the engine
         self.accept_rate: float | None = None  # drafts accepted / drafted in the last generate call
+        self.row_accepted: torch.Tensor | None = None  # per cache row: drafts accepted since it joined
 
     def generate(self, *args: Any, **kwargs: Any) -> list:
         """``FastGenerator.generate``; on CPU on a driver thread of one intra-op thread (as the
@@ -154,6 +156,7 @@ class SpecGenerator(FastGenerator):
 
     def _size_cache(self, prompts, steps: int, n: int) -> None:
         super()._size_cache(prompts, steps + self.k + 1, n)  # a block writes k past the last token
+        self.row_accepted = torch.zeros(self.fwd.slots, dtype=torch.long, device=self.fwd.device)
         self.drafter.allocate(self.fwd)
         run, f = self.runner, self.fwd
         self.graphs.prepare((f.weights_signature(), f.slots, f.max_len, f.k_cache.data_ptr(), run.tok.data_ptr(),
@@ -181,14 +184,37 @@ class SpecGenerator(FastGenerator):
         return self._retire(out, live, t) if out else live
 
     def _retire(self, rows: list[int], live: int, t: int) -> int:
+        counts = self._row_counts(rows, t)
         left, gone = live - len(rows), set(rows)
         holes = [x for x in rows if x < left]
         if holes:
             movers = [x for x in range(left, live) if x not in gone]
             dev = self.fwd.device
-            self.drafter.move(torch.tensor(holes, device=dev), torch.tensor(movers, device=dev),
-                              self._need(live, t))
-        return super()._retire(rows, live, t)
+            dst, src = torch.tensor(holes, device=dev), torch.tensor(movers, device=dev)
+            self.drafter.move(dst, src, self._need(live, t))
+            self.row_accepted[dst] = self.row_accepted[src]
+        left = super()._retire(rows, live, t)
+        self.row_accepted[left:live] = 0  # free rows: the next ones to join start from zero
+        self._attach_counts(counts)
+        return left
+
+    def _abort(self, queue: Any, live: int, t: int) -> None:
+        counts = self._row_counts(list(range(live)), t)
+        super()._abort(queue, live, t)
+        self._attach_counts(counts)
+
+    def _row_counts(self, rows: list[int], t: int) -> list[tuple[tuple[int, int], dict[str, int]]]:
+        """(owner, ``spec_counts``) of cache rows ``rows`` leaving before decode step ``t``: a row
+        decodes one verify step at every step from the one it joined at (retirement comes first)."""
+        if not rows:
+            return []
+        r = self.rows
+        accepted = self.row_accepted[torch.tensor(rows, device=self.fwd.device)].tolist()
+        return [(r.owner[row], spec_counts(t - int(r.start[row]), a, self.k)) for row, a in zip(rows, accepted)]
+
+    def _attach_counts(self, counts: list[tuple[tuple[int, int], dict[str, int]]]) -> None:
+        for (i, j), c in counts:
+            self.out[i][j].extras[EXTRAS_KEY] = c
 
     def _step(self, size: int, length: int | None, u: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """Drafts, the verify block and rejection sampling for rows ``[0, size)``: the ``k + 1``
@@ -245,6 +271,7 @@ class SpecGenerator(FastGenerator):
         self.totals["steps"] += live
         self.totals["emitted"] = n.sum() + self.totals["emitted"]  # on the device: no sync
         self.totals["accepted"] = accepted.sum() + self.totals["accepted"]
+        self.row_accepted[:live] += accepted
 
     def drain(self) -> dict[str, float]:
         """``spec_accept_len`` and ``spec_accept_rate`` since the last call (``rejection.acceptance``)."""
