@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from miles import MilesError
 
 from . import arch as arch_
+from . import tp_train
 
 BLOCKS = {"fp8": 128, "mxfp8": 32, "int4": 128}  # block edge along a split dimension
 
@@ -89,16 +90,16 @@ def _impl(fmt: str, parts: tuple | None, expert: bool, input: torch.Tensor,
           weight: torch.Tensor, bias: torch.Tensor | None = None, allreduce_dgrad: bool = False,
           sequence_parallel: bool = False, tp_group: Any = None, **_: Any) -> torch.Tensor:
     """megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` in ``fmt``: the same
-    input-gradient all-reduce (a column-parallel layer's), no sequence parallelism. ``parts``: the
-    fused matrices' row indices and the permutation back to the fused order."""
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    input-gradient all-reduce (a column-parallel layer's; ``tp_train.copy_to_tp_region``, which
+    also sums a strided gradient), no sequence parallelism. ``parts``: the fused matrices' row
+    indices and the permutation back to the fused order."""
     from miles_lowp import int4 as i4
     from miles_lowp.linear import lowp_linear, rounded
 
     if sequence_parallel:
         raise MilesError("trainer.precision / trainer.qat: low-precision linears run without sequence parallelism")
     if allreduce_dgrad:
-        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        input = tp_train.copy_to_tp_region(input, tp_group)
     if fmt == "int4":  # groups run along a row: the fused matrices need no cutting
         y = F.linear(input, i4.fake_int4(weight))
     elif expert:

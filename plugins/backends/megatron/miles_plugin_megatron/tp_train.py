@@ -13,6 +13,9 @@ checkpoints unchanged):
   (``k_pos_emb``, the last ``qk_pos_emb_head_dim`` columns) is shared by all heads, so each rank's
   gradient of it covers only its own heads; sequence parallelism sums those (its sequence gather's
   backward is a reduce-scatter), and here the gather's backward sums them over the TP ranks.
+
+``copy_to_tp_region`` is the identity before a column-parallel GEMM whose backward sums the input's
+gradient over the TP ranks, whatever its strides.
 """
 from __future__ import annotations
 
@@ -73,3 +76,24 @@ class _LatentGather(torch.autograd.Function):
         grad[..., -ctx.rope:] = pos
         start = dist.get_rank(group=ctx.group) * ctx.width
         return grad[..., start:start + ctx.width].contiguous(), None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x``, whose gradient is summed over ``group`` in backward. megatron-core's
+    ``copy_to_tensor_model_parallel_region`` all-reduces a contiguous copy of a strided gradient
+    and returns the unreduced original; a GEMM may hand back such a gradient (a padded product's
+    slice, e.g. a cuBLAS FP8 GEMM's for a width that is not a multiple of 16)."""
+    return _SumGrad.apply(x, group) if dist.get_world_size(group) > 1 else x
+
+
+class _SumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

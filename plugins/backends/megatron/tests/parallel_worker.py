@@ -2,8 +2,9 @@
 through torch.distributed.run, with the TEST-ONLY CPU shim: Qwen2 at tensor_parallel=2 (with a
 critic), Qwen3-MoE at expert_parallel=2 (so data-parallel 2), then Qwen2 at pipeline_parallel=2
 and at pipeline_parallel=2 with 2 virtual stages per rank (4 layers; both with a critic), and
-Qwen3-MoE with routing replay at pipeline_parallel=2 and at expert_parallel=2, and Qwen3 with
-trainer.precision mxfp8 at tensor_parallel=2 (``run_lowp``).
+Qwen3-MoE with routing replay at pipeline_parallel=2 and at expert_parallel=2, Qwen3 with
+trainer.precision mxfp8 at tensor_parallel=2 (``run_lowp``) and Llama in fp8 and in INT4 QAT at
+pipeline_parallel=2 (``run_lowp_pp``).
 Qwen2 at TP=2 and Qwen3-MoE at EP=2 x DP=2 also train a draft head for one step.
 Writes what it measured to ``OUT/{tag}_rank{R}.pt`` and a checkpoint after one training step to
 ``OUT/ckpt_{tag}``; at TP=2 it also resumes ``OUT/ckpt_tp1``, written on one rank."""
@@ -41,15 +42,22 @@ def main(out: str, device: str = "cpu", only: str | None = None) -> None:
             run_r3(out, tag, *sizes, device=device)
     if only in (None, "lowp_tp2"):
         run_lowp(out, device=device)
+    for tag, over in LOWP_PP.items():
+        if only in (None, tag):
+            run_lowp_pp(out, tag, over, device=device)
 
 
 def run_lowp(out: str, device: str = "cpu") -> None:
     """Qwen3 (head_dim 16: every shard splits on 32-element MX blocks) with trainer.precision mxfp8 at
-    tensor_parallel=2: log-probs against the HF model with libs/lowp's rounding, before and after a
-    step; fp8 at TP=2 (64-row shards of 128-row blocks) is refused."""
+    tensor_parallel=2: log-probs against the HF model with libs/lowp's rounding, before and after
+    two steps, and the first step's loss, gradient norm and full (TP-gathered) gradients; a strided
+    gradient through the input's all-reduce; fp8 at TP=2 (64-row shards of 128-row blocks) is refused."""
+    import torch.distributed as dist
     from miles import MilesError
     from miles_lowp.linear import convert
     from miles_plugin_megatron.config import MegatronConfig
+    from miles_plugin_megatron.tp_train import copy_to_tp_region
+    from tp2_worker import step_with_grads
 
     cfg = MegatronConfig(device=device, precision="mxfp8", tensor_parallel=2, lr=1e-3, grad_clip=None)
     tr = make(cfg, "qwen3")
@@ -63,13 +71,49 @@ def run_lowp(out: str, device: str = "cpu") -> None:
         plain.load_state_dict(hf.state_dict())
         res[when] = (tr.logprobs(b), hf_logprobs(hf, b), hf_logprobs(plain, b), b.loss_mask)
         if when == "before":
-            res["loss"] = [tr.train_step(b, lambda mb, lp: (-mb.token_mean(lp), {}))["loss"] for _ in range(2)]
+            m, grads = step_with_grads(tr, b)
+            res.update(grad_norm=m["grad_norm"], grads=grads if dist.get_rank() == 0 else None)
+            res["loss"] = [m["loss"], tr.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))["loss"]]
+    # the identity before a column-parallel GEMM sums a strided input gradient too (a transpose's)
+    x = torch.zeros(3, 4, requires_grad=True)
+    (copy_to_tp_region(x, tr.ps.get_tensor_model_parallel_group()).t() * (1.0 + tr.rank)).sum().backward()
+    res["strided_grad"] = x.grad
     try:
         make(MegatronConfig(device=device, precision="fp8", tensor_parallel=2), "qwen3")
         res["fp8_refused"] = ""
     except MilesError as e:
         res["fp8_refused"] = str(e)
     torch.save(res, f"{out}/lowp_tp2_rank{tr.rank}.pt")
+
+
+# tag: the low-precision settings of a 2-layer Llama at pipeline_parallel=2 (one layer per stage)
+LOWP_PP = {"lowp_pp2_fp8": {"precision": "fp8"}, "lowp_pp2_int4": {"precision": "fp32", "qat": "int4"}}
+
+
+def lowp_pp_config(over: dict, pp: int, device: str = "cpu"):
+    """A ``LOWP_PP`` case's config at ``pp`` stages: the same micro-batches either way, since fp8's
+    weight gradient rounds the tokens of a micro-batch in blocks."""
+    from miles_plugin_megatron.config import MegatronConfig
+
+    return MegatronConfig(device=device, pipeline_parallel=pp, micro_batch_size=2, lr=1e-3, grad_clip=None, **over)
+
+
+def run_lowp_pp(out: str, tag: str, over: dict, device: str = "cpu") -> None:
+    """A 2-layer Llama in fp8 or INT4 QAT at pipeline_parallel=2: this stage's low-precision linears,
+    the log-probs (and the HF model's in full precision, which the rounding moves them from), one
+    step's loss and gradient norm, and the log-probs after it."""
+    from miles_plugin_megatron import lowp
+
+    tr = make(lowp_pp_config(over, 2, device), "llama")
+    b = batch(rows=5)
+    hf = spec("llama").build_model(None).eval()
+    hf.load_state_dict({k: v.cpu() for k, v in tr.named_weights()})
+    linears = [n for n, m in tr.model.named_modules()
+               if getattr(getattr(m, "_forward_impl", None), "func", None) is lowp._impl]
+    res = {"lp": tr.logprobs(b), "plain": hf_logprobs(hf, b), "mask": b.loss_mask, "lowp_linears": linears}
+    m = tr.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+    res.update(loss=m["loss"], grad_norm=m["grad_norm"], after=tr.logprobs(b))
+    torch.save(res, f"{out}/{tag}_rank{tr.rank}.pt")
 
 
 R3_CASES = {"r3_pp2": (2, 1), "r3_ep2": (1, 2)}  # tag: pipeline, expert parallel sizes

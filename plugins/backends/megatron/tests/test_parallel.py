@@ -1,11 +1,13 @@
 """Two gloo ranks on CPU (torch.distributed.run): tensor_parallel=2 (Qwen2, with the critic),
 expert_parallel=2 with data-parallel 2 (Qwen3-MoE), pipeline_parallel=2 (Qwen2, with the critic),
 pipeline_parallel=2 with two virtual stages per rank (4-layer Qwen2, with the critic) and routing
-replay at pipeline_parallel=2 and at expert_parallel=2 (Qwen3-MoE), and Qwen3 with
-trainer.precision mxfp8 at tensor_parallel=2. Each builds the model from the
+replay at pipeline_parallel=2 and at expert_parallel=2 (Qwen3-MoE), Qwen3 with
+trainer.precision mxfp8 at tensor_parallel=2, and Llama with trainer.precision fp8 and with
+trainer.qat int4 at pipeline_parallel=2. Each builds the model from the
 same HF weights, exports them bit-exactly, computes the HF log-probs, takes the same optimizer step
 as one rank does, and writes a checkpoint that resumes on one rank; at TP=2 and at EP=2 x DP=2 a
 draft head trains to the same replica on both ranks, with one rank's loss."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import pytest
 import torch
 from helpers import batch
 from miles_plugin_megatron.config import MegatronConfig
+from parallel_worker import LOWP_PP
 
 HERE = Path(__file__).parent
 
@@ -115,18 +118,76 @@ def test_tensor_parallel_2(two_ranks):
     assert ranks[0]["local_qkv_rows"] == (8 + 2 * 4) * 8 // 2  # half the KV groups with their queries
 
 
+@contextlib.contextmanager
+def one_rank():
+    """megatron-core on CPU in this process, with a process group of one rank for the block."""
+    import cpu_shim
+
+    mp = pytest.MonkeyPatch()
+    cpu_shim.install(mp)
+    try:
+        yield
+    finally:
+        from miles_plugin_megatron import parallel
+
+        parallel.destroy()
+        mp.undo()
+
+
 @pytest.mark.slow
 def test_mxfp8_tensor_parallel_2(two_ranks):
     """trainer.precision mxfp8 at TP=2: each shard's 32-element blocks are the whole weight's, so
-    the log-probs equal the HF model's with libs/lowp's rounding; fp8's 128-row blocks would be cut."""
-    for r in range(2):
-        res = torch.load(two_ranks / f"lowp_tp2_rank{r}.pt", weights_only=False)
+    the log-probs equal the HF model's with libs/lowp's rounding, and one step has one rank's loss
+    and gradients (the norm and every tensor: the input gradients summed over the TP ranks);
+    fp8's 128-row blocks would be cut."""
+    ranks = [torch.load(two_ranks / f"lowp_tp2_rank{r}.pt", weights_only=False) for r in range(2)]
+    for res in ranks:
         for when in ("before", "after"):
             got, want, plain, mask = res[when]
             assert ((got - want) * mask).abs().max() < 2e-5, when
             assert ((got - plain) * mask).abs().max() > 1e-3, when
         assert res["loss"][1] < res["loss"][0]
+        assert torch.equal(res["strided_grad"], torch.full((3, 4), 3.0))  # 1 + 2: both ranks' gradients
         assert "trainer.precision: fp8 with trainer.tensor_parallel: 2" in res["fp8_refused"]
+    with one_rank():
+        from parallel_worker import make
+        from tp2_worker import step_with_grads
+
+        one = make(MegatronConfig(device="cpu", precision="mxfp8", lr=1e-3, grad_clip=None), "qwen3")
+        m, grads = step_with_grads(one, batch(rows=5))
+    assert abs(m["loss"] - ranks[0]["loss"][0]) < 1e-6
+    assert abs(m["grad_norm"] - ranks[0]["grad_norm"]) < 1e-5 * m["grad_norm"]
+    assert set(grads) == set(ranks[0]["grads"])
+    for k, g in grads.items():
+        got = ranks[0]["grads"][k][:g.shape[0]]  # the vocabulary's padding row at TP=2 cut off
+        assert (got - g).abs().max() <= 1e-3 * g.abs().max(), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tag", LOWP_PP)
+def test_low_precision_pipeline_parallel_2(two_ranks, tag):
+    """trainer.precision fp8 and trainer.qat int4 at pipeline_parallel=2 (a 2-layer Llama, one layer
+    per stage): each stage's linears compute in the format, and the log-probs, one step's loss and
+    gradient norm and the log-probs after it are one rank's."""
+    from parallel_worker import lowp_pp_config, make
+
+    ranks = [torch.load(two_ranks / f"{tag}_rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, res in enumerate(ranks):  # the attention and MLP projections of this stage's layer
+        assert [n.split(".")[-1] for n in res["lowp_linears"]] == ["linear_proj", "linear_qkv",
+                                                                   "linear_fc1", "linear_fc2"], r
+    mask = ranks[0]["mask"]
+    with one_rank():
+        one = make(lowp_pp_config(LOWP_PP[tag], 1), "llama")
+        b = batch(rows=5)
+        lp = one.logprobs(b)
+        m = one.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
+        after = one.logprobs(b)
+    assert ((lp - ranks[0]["plain"]) * mask).abs().max() > 1e-3  # the rounding runs
+    for res in ranks:
+        assert ((res["lp"] - lp) * mask).abs().max() < 2e-5
+        assert ((res["after"] - after) * mask).abs().max() < 2e-5
+        assert abs(res["loss"] - m["loss"]) < 1e-5 * abs(m["loss"])
+        assert abs(res["grad_norm"] - m["grad_norm"]) < 1e-5 * m["grad_norm"]
 
 
 @pytest.mark.slow
