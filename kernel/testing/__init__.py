@@ -1,4 +1,5 @@
-"""Pytest helpers for plugin authors: a fresh plugin manager, sample/group factories, a tiny model.
+"""Pytest helpers for plugin authors: a fresh plugin manager, sample/group factories, a tiny model,
+and an architecture plugin's parity checks against transformers (``arch.py``).
 
 In a ``conftest.py``, ``from miles.testing import *  # noqa`` also brings the fixture. Needs the
 ``testing`` extra (``pip install miles[testing]``: pytest, transformers, miles-tinypolicy).
@@ -16,14 +17,19 @@ from typing import Any, Iterator, Sequence
 
 import pytest
 
-from .plugins import make_plugin_manager
-from .types import Group, Sample, Task
+from ..plugins import make_plugin_manager
+from ..types import Group, Sample, Task
+# parity checks for architecture plugins (engine, routing replay, megatron vs transformers)
+from .arch import (PROMPTS, engine_matches_transformers, lively_weights, megatron_matches_transformers,
+                   megatron_round_trip, model_spec, routing_replay_matches)
 # re-exported: product code (env connectors) imports it from miles_tinypolicy, without pytest
 from miles_tinypolicy import char_tokenizer
 
 __all__ = ["plugin_manager", "make_group", "char_tokenizer", "TinySpec", "assert_lazy_registration",
            "listening_port", "run_module", "assert_usage_error", "require_commands", "start_server", "server_url",
-           "served", "fit_answers", "imported_modules"]
+           "served", "fit_answers", "imported_modules", "PROMPTS", "model_spec", "lively_weights",
+           "engine_matches_transformers", "routing_replay_matches", "megatron_round_trip",
+           "megatron_matches_transformers"]
 
 
 @pytest.fixture
