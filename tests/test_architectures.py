@@ -12,42 +12,8 @@ import torch
 from miles import Batch, SamplingParams, make_plugin_manager
 from miles.protocols import Architecture, KnowsArchitecture, RoutesExperts
 from miles.testing import char_tokenizer
+from miles_tinypolicy.frontier import FAMILIES, frontier_config, lively
 
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
-              tie_word_embeddings=False)
-MODELS = {
-    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=8,
-                        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
-                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        routed_scaling_factor=2.5),
-    # a hash-routed MoE layer, then a learned one; heavily compressed, then compressed sparse attention
-    "deepseek_v4": dict(moe_intermediate_size=32, num_key_value_heads=1, head_dim=32, q_lora_rank=24,
-                        num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, qk_rope_head_dim=8,
-                        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
-                        mlp_layer_types=["hash_moe", "moe"], sliding_window=8, o_groups=2, o_lora_rank=16,
-                        index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=2),
-    "glm4_moe": dict(intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=2, n_routed_experts=8,
-                     n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                     head_dim=16),
-    # 8 indexer heads: with 2, the ReLU scores tie at 0 and the indexer's top-k is not defined by them
-    "glm_moe_dsa": dict(intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=8,
-                        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        head_dim=8, index_topk=6, index_head_dim=16, index_n_heads=8,
-                        mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention"] * 2,
-                        indexer_types=["full"] * 2),
-    "qwen3_5_moe_text": dict(num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                             moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts_per_tok=2,
-                             num_experts=8, layer_types=["linear_attention", "full_attention"]),
-    "qwen3_next": dict(intermediate_size=128, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
-                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                       linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                       num_experts_per_tok=2, num_experts=8, norm_topk_prob=True,
-                       layer_types=["linear_attention", "full_attention"]),
-    "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, num_key_value_heads=2,
-                    head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
-}
 PROMPTS = [[2, 5, 6, 7, 8, 9, 10, 11, 12, 13], [2, 11], [2, 12, 13, 14, 15]]
 
 
@@ -59,22 +25,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def lively(model: torch.nn.Module, seed: int = 1) -> list[tuple[str, torch.Tensor]]:
-    """Random weights with outputs far from uniform (the default init's std 0.02 makes every
-    next-token distribution nearly flat, and every router nearly tied)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            out.append((name, torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5))
-        elif name.endswith("bias") and "correction" not in name:
-            out.append((name, torch.randn(p.shape, generator=g) * 0.1))
-    return out
-
-
 def make_spec(model_type: str, replay: bool):
     pm = make_plugin_manager()
-    config = {"model_type": model_type, **COMMON, **MODELS[model_type]}
+    config = frontier_config(model_type)
     if not replay:
         settings = pm.registry("model_specs")["hf"].config(config=config)
         return pm.create("model_specs", "hf", settings, pm=pm)
@@ -103,13 +56,13 @@ def tok():
     return char_tokenizer()
 
 
-@pytest.mark.parametrize("model_type", MODELS)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_each_model_type_has_its_architecture(model_type):
     spec = make_spec(model_type, replay=False)
     assert isinstance(spec, KnowsArchitecture)
     arch = spec.architecture()
     assert isinstance(arch, Architecture) and isinstance(arch, RoutesExperts)
-    assert arch.check_config({"model_type": model_type, **COMMON, **MODELS[model_type]}) == []
+    assert arch.check_config(frontier_config(model_type)) == []
 
 
 def test_an_inline_config_the_architecture_cannot_build_is_a_config_error(tmp_path, capsys):
@@ -125,7 +78,7 @@ def test_an_inline_config_the_architecture_cannot_build_is_a_config_error(tmp_pa
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("model_type", MODELS)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_engine_logprobs_equal_a_transformers_forward(model_type, tok):
     """Left-padded prompts of different lengths, 2 samples each sharing their prompt's prefill,
     decoded over the architecture's own cache."""
@@ -167,7 +120,7 @@ def trainer_copy(spec, engine, tok):
     return model
 
 
-@pytest.mark.parametrize("model_type", MODELS)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_replaying_recorded_experts_reproduces_the_forward_and_random_experts_change_it(model_type, rollouts, tok):
     from miles_plugin_moe.spec import routing_state
 
@@ -202,7 +155,7 @@ def test_replaying_recorded_experts_reproduces_the_forward_and_random_experts_ch
     assert any(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
 
 
-@pytest.mark.parametrize("model_type", MODELS)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_fsdp2_trains_with_routing_replay(model_type, rollouts, tok):
     from miles_plugin_fsdp2.config import FSDP2Config
     from miles_plugin_fsdp2.trainer import FSDP2Trainer
