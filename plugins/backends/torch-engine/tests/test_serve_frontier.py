@@ -89,6 +89,8 @@ def test_generate_answers_the_engines_tokens_with_transformers_logprobs_and_rout
     cfg = reference.config
     layers = len(served.spec.architecture().routers(served.engine.model))
     assert layers >= 1
+    hooked = served.spec.build_model(served.engine.tokenizer).eval()  # the folder's model, its routers recording
+    recorder = served.spec.routing_recorder(hooked)
     worst, lengths = 0.0, set()
     for k, o in enumerate(out):  # SGLang's order: every prompt's first sample, then the second ones
         prompt, comp = PROMPTS[k % len(PROMPTS)], want[k % len(PROMPTS)][k // len(PROMPTS)]
@@ -103,6 +105,10 @@ def test_generate_answers_the_engines_tokens_with_transformers_logprobs_and_rout
         assert experts.shape == (len(prompt) + len(tokens) - 1, layers, cfg.num_experts_per_tok)
         n_experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None) or cfg.num_local_experts
         assert experts.min() >= 0 and experts.max() < n_experts
+        with torch.no_grad(), recorder.recording():  # every fed token's experts in one forward, unpadded
+            hooked(input_ids=torch.tensor([prompt + tokens[:-1]]), use_cache=False)
+        (whole,) = recorder.take()
+        assert np.array_equal(np.sort(experts, -1), np.sort(whole.numpy(), -1)), f"{served.family}: sample {k}"
         assert (np.sort(experts, -1)[..., 1:] != np.sort(experts, -1)[..., :-1]).all()  # top-k: distinct
         if k >= len(PROMPTS):  # greedy: the second sample routes as the first
             assert np.array_equal(experts, routed(out[k - len(PROMPTS)]["meta_info"]))
