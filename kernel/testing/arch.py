@@ -193,9 +193,14 @@ def megatron_round_trip(config: dict[str, Any], *, plugins: Sequence[str] = (), 
         model.load_state_dict(dict(lively_weights(model, seed)), strict=False)
         hf = model.state_dict()
         arch = A.arch_of(model.config, spec.architecture())
-        full = C.hf_to_full(hf, arch, tp)
-        shards = {(t, e): C.shard(full, arch, tp=tp, tp_rank=t, ep=ep, ep_rank=e) for t in range(tp) for e in range(ep)}
-        back = C.full_to_hf(C.unshard(shards, arch, tp, ep), arch)
+        try:  # a description that does not fit the weights fails inside the converter: say which
+            full = C.hf_to_full(hf, arch, tp)
+            shards = {(t, e): C.shard(full, arch, tp=tp, tp_rank=t, ep=ep, ep_rank=e)
+                      for t in range(tp) for e in range(ep)}
+            back = C.full_to_hf(C.unshard(shards, arch, tp, ep), arch)
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise AssertionError(f"{config['model_type']}: the weights do not convert as megatron_arch "
+                                 f"describes them ({type(e).__name__}: {e})") from e
     assert set(back) == set(hf), (f"names lost: {sorted(set(hf) - set(back))[:5]}, "
                                   f"names added: {sorted(set(back) - set(hf))[:5]}")
     differ = [k for k, v in hf.items() if not torch.equal(back[k], v)]
