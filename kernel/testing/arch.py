@@ -48,19 +48,12 @@ def model_spec(config: dict[str, Any], *, plugins: Sequence[str] = (), replay: b
 
 
 def lively_weights(model: Any, seed: int = 1) -> list[tuple[str, Any]]:
-    """Random weights whose outputs are far from uniform: the default init's std 0.02 makes every
-    next-token distribution nearly flat and every router nearly tied, where a wrong expert or
-    a wrong position would change little. Matrices ~ N(0, 1/fan_in), biases ~ N(0, 0.01)."""
-    import torch
+    """Random weights whose outputs are far from uniform (``miles_tinypolicy.frontier.lively``): the
+    default init's std 0.02 makes every next-token distribution nearly flat and every router
+    nearly tied, where a wrong expert or a wrong position would change little."""
+    from miles_tinypolicy.frontier import lively
 
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            out.append((name, torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5))
-        elif name.endswith("bias") and "correction" not in name:
-            out.append((name, torch.randn(p.shape, generator=g) * 0.1))
-    return out
+    return lively(model, seed)
 
 
 @contextlib.contextmanager

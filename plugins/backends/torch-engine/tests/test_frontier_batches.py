@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from miles.testing.arch import lively_weights
 from miles import SamplingParams, make_plugin_manager
 from miles.testing import char_tokenizer
 
@@ -37,19 +38,6 @@ PROMPTS = [[2] + [3 + (7 * i + 5 * k) % 43 for k in range(n - 1)] for i, n in en
 MAX_BATCH, N = 4, 2  # two prompts of two samples a chunk
 
 
-def lively(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Random weights whose next-token distributions and routers are far from flat (the default
-    init's std 0.02 makes them nearly uniform, and near-ties make any comparison fragile)."""
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            out.append((name, torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5))
-        elif name.endswith("bias") and "correction" not in name:
-            out.append((name, torch.randn(p.shape, generator=g) * 0.1))
-    return out
-
-
 @pytest.fixture(scope="module")
 def engines():
     """Per model type, an engine built on first use, with the shapes of its model's forwards."""
@@ -65,7 +53,7 @@ def engines():
             spec = pm.create("model_specs", "hf", settings, pm=pm)
             engine = TorchEngine(TorchEngineConfig(impl="hf", max_batch_size=MAX_BATCH), spec=spec,
                                  tokenizer=char_tokenizer(), seed=0)
-            engine.load_weights(lively(engine.model), version=1)
+            engine.load_weights(lively_weights(engine.model), version=1)
             shapes: list[tuple[int, int]] = []
             engine.model.register_forward_pre_hook(
                 lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
