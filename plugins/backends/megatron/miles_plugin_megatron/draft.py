@@ -17,7 +17,8 @@ The head is not a module of the GPTModel: its weights travel beside the policy's
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +45,31 @@ def training(settings: dict | None, trainer: Any, hf_config: Any, algorithm: Any
     return MegatronDraft(DraftConfig.model_validate(settings), head, supervised)
 
 
+@contextlib.contextmanager
+def final_states(trainer: Any) -> Iterator[Callable[[Any], tuple[torch.Tensor, torch.Tensor]]]:
+    """The policy in eval mode with its output layer's input caught: yields ``forward(run)``, a
+    no-grad forward of a micro-batch giving its logits ``[B, S, V / tp]`` and final (normed) hidden
+    states ``[B, S, H]`` in fp32, for a draft (head or MTP layer) to learn from."""
+    model = trainer.policy_module()
+    caught: list[torch.Tensor] = []
+    # first among the output layer's pre-hooks: the GPTModel's sequence-major input, before
+    # arch.batch_major_logits transposes it
+    hook = model.output_layer.register_forward_pre_hook(lambda _m, args: caught.append(args[0]), prepend=True)
+
+    def forward(run: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        caught.clear()
+        with torch.no_grad():
+            logits = trainer._forward(model, run)
+            return logits, caught[0].transpose(0, 1).float()  # [S, B, H] -> [B, S, H]
+
+    model.eval()
+    try:
+        yield forward
+    finally:
+        hook.remove()
+        model.train()
+
+
 class MegatronDraft(HeadTraining):
     def checkpoint_part(self) -> tuple[str, torch.nn.Module, torch.optim.Optimizer]:
         return "draft.", self.head, self.optim
@@ -54,41 +80,30 @@ class MegatronDraft(HeadTraining):
         R = batch.input_ids.shape[1] - batch.prompt_len
         if not self.active or R < 2:
             return {}
-        model = trainer.policy_module()
         embedding, lm_head = vocab_weights(trainer)
         denoms = denominators(batch.loss_mask.to(trainer.device), self.cfg.unroll)
-        caught: list[torch.Tensor] = []
-        # first among the output layer's pre-hooks: the GPTModel's sequence-major input, before
-        # arch.batch_major_logits transposes it
-        hook = model.output_layer.register_forward_pre_hook(lambda _m, args: caught.append(args[0]), prepend=True)
         sums: dict[str, torch.Tensor] = {}
-        model.eval()
-        try:
+        with final_states(trainer) as forward:
             # each pass runs the policy's forward again (same policy, same outputs): keeping every
             # micro-batch's vocabulary-wide targets for the next pass would not fit
             for p in range(self.passes):
-                self._pass(trainer, model, batch, caught, embedding, lm_head, denoms, sums if p == 0 else {})
-        finally:
-            hook.remove()
-            model.train()
+                self._pass(trainer, batch, forward, embedding, lm_head, denoms, sums if p == 0 else {})
         out = {k: float(v) for k, v in sums.items()}
         if trainer.dp > 1:  # each DP rank's share of the batch's metrics: their sum is the whole
             out = trainer._sum_dp({k: out.get(k, 0.0) for k in ("draft_loss", "draft_top1")})
         return out
 
-    def _pass(self, trainer: Any, model: Any, batch: Any, caught: list[torch.Tensor], embedding: torch.Tensor,
+    def _pass(self, trainer: Any, batch: Any, forward: Callable, embedding: torch.Tensor,
               lm_head: torch.Tensor, denoms: list[torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
-        """One optimizer step of the head over the micro-batches of ``batch``; ``sums`` gathers its
-        metrics."""
+        """One optimizer step of the head over the micro-batches of ``batch`` (``forward``:
+        ``final_states``'); ``sums`` gathers its metrics."""
         from .rows import right_aligned
 
         self.optim.zero_grad(set_to_none=True)
         for run, real in trainer._micro(batch)[0]:  # every micro-batch runs: MoE collectives line up
-            caught.clear()
+            logits, hidden = forward(run)  # the head attends all of the hidden states
             with torch.no_grad():
-                logits = trainer._forward(model, run)  # [B, S, V / tp]
                 shifted, index = right_aligned(run)  # rows from position 0; positions before response tokens
-                hidden = caught[0].transpose(0, 1).float()  # [S, B, H] -> [B, S, H]: the head attends all of it
                 after = index[:, 1:, None]  # the positions of response tokens 0 .. R-2: they predict 1 .. R-1
                 logits = logits.gather(1, after.expand(-1, -1, logits.shape[-1]))
                 full = torch.cat(par.all_gather(logits, trainer.ps.get_tensor_model_parallel_group()), -1)

@@ -79,25 +79,17 @@ class MegatronMTP(MTPTraining):
         ``mtp_loss`` (the weighted cross-entropy before the step) and ``mtp_top1``."""
         if not self.active or batch.input_ids.shape[1] < 3:
             return {}
-        from .draft import vocab_weights
+        from .draft import final_states, vocab_weights
         from .rows import aligned_rows
 
-        model = trainer.policy_module()
         if isinstance(self.layer, MTPBlock):
             self.layer.share(*vocab_weights(trainer))
         denom = response_weights(batch)[:, 2:].sum().clamp(min=1).to(trainer.device)  # the whole batch's
-        caught: list[torch.Tensor] = []
-        # first among the output layer's pre-hooks: the GPTModel's sequence-major input
-        hook = model.output_layer.register_forward_pre_hook(lambda _m, args: caught.append(args[0]), prepend=True)
         sums: dict[str, torch.Tensor] = {}
         self.optim.zero_grad(set_to_none=True)
-        model.eval()
-        try:
+        with final_states(trainer) as forward:
             for run, real in trainer._micro(batch)[0]:  # every micro-batch runs: MoE collectives line up
-                caught.clear()
-                with torch.no_grad():
-                    trainer._forward(model, run)
-                    hidden = caught[0].transpose(0, 1).float()  # [S, B, H] -> [B, S, H]
+                _, hidden = forward(run)
                 if real is None:  # a rank out of rows ran only for the collectives
                     continue
                 ids, valid, weights = (aligned_rows(real, t) for t in (real.input_ids, real.attention_mask,
@@ -109,9 +101,6 @@ class MegatronMTP(MTPTraining):
                 self.backward(loss)
                 for k, v in (("mtp_loss", loss), ("mtp_top1", top1)):
                     sums[k] = sums.get(k, 0) + v.detach()
-        finally:
-            hook.remove()
-            model.train()
         self.update(lambda params: par.all_reduce_grads(params, trainer.ps.get_data_parallel_group()))
         out = {k: float(sums.get(k, 0.0)) for k in ("mtp_loss", "mtp_top1")}
         return trainer._sum_dp(out) if trainer.dp > 1 else out  # each DP rank's share: their sum is the whole

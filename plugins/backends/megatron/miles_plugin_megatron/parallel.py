@@ -159,4 +159,3 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: Any) -> None:
         dist.all_reduce(flat, group=group)
         for g, x in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(x)
-

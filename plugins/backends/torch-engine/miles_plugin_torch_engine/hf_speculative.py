@@ -70,7 +70,7 @@ class LinearStates:
         from transformers.cache_utils import LinearAttentionLayer
 
         self.block = block
-        self.layers = [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, LinearAttentionLayer)]
+        self.layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionLayer)]
         for layer in self.layers:
             layer.activate_past_recording(recurrent_states_to_keep=block)
 
