@@ -117,6 +117,10 @@ class SparseAttention(torch.nn.Module):
     as transformers' eager / SDPA paths compute DSA. Rows are right-padded and start at position 0,
     so the causal mask covers the padding."""
 
+    # megatron-core >= 0.17 hands the layer input and compressed query (``x``, ``qr``) only to a
+    # core attention that asks for them; older releases do when the variant is "dsa"
+    requires_dsa_inputs = True
+
     def __init__(self, config: Any, layer_number: int = 0, attn_mask_type: Any = None,
                  attention_type: str = "self", attention_dropout: float | None = None,
                  softmax_scale: float | None = None, **_: Any):
@@ -133,7 +137,7 @@ class SparseAttention(torch.nn.Module):
                 x: torch.Tensor | None = None, qr: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
         if x is None or qr is None:
             raise MilesError("trainer megatron: GLM-5's sparse attention got no layer input from megatron-core's "
-                             "MLA (experimental_attention_variant must be 'dsa')")
+                             "MLA (the config's experimental_attention_variant must be 'dsa'; megatron-core 0.16 or later)")
         if value is None or query.shape[-1] != self.q_dim:  # an absorbed (latent-space) MLA query
             raise MilesError(f"trainer megatron: GLM-5's sparse attention needs megatron-core's up-projected MLA "
                              f"query, key and value (got a query of {query.shape[-1]} channels per head, "
