@@ -125,7 +125,10 @@ class SpecGenerator(FastGenerator):
         self.runner = DecodeRunner(fwd, False)  # its tok / pos buffers: the rows' last token and position
         self.graphs = SpecGraphs(fwd.device, cfg.cuda_graphs)
         self.prefill = self._prefill
-        self.sync_every = 1
+        # on CUDA the host reads the rows' flags every few steps, not every step: a step never
+        # waits for the one before it (a finished row emits nothing until it is retired)
+        self.sync_every = 4 if fwd.device.type == "cuda" else 1
+        self._hi = 0  # host-side bound on the live rows' largest position (no device read)
         self.k, self.drafter = cfg.speculative.tokens, drafter
         limit = cfg.speculative.max_batch
         self.max_batch = auto_max_batch(fwd.device, cfg.cuda_graphs) if limit == "auto" else limit
@@ -134,6 +137,7 @@ class SpecGenerator(FastGenerator):
         self.totals = {"steps": 0, "emitted": 0, "accepted": 0}  # row-steps; drained by the engine
         self.accept_rate: float | None = None  # drafts accepted / drafted in the last generate call
         self.row_accepted: torch.Tensor | None = None  # per cache row: drafts accepted since it joined
+        self.row_steps: torch.Tensor | None = None  # per cache row: verify steps that emitted
 
     def generate(self, *args: Any, **kwargs: Any) -> list:
         """``FastGenerator.generate``; on CPU on a driver thread of one intra-op thread (as the
@@ -150,13 +154,16 @@ class SpecGenerator(FastGenerator):
 
             out = cpu_workers.pool(1, "driver").submit(drive).result()
         steps = totals["steps"] - before["steps"]
-        if steps and totals is self.totals:  # not drained meanwhile; the outputs are on the host: no wait
+        steps = int(steps)  # a device count: the outputs are on the host, so no wait
+        if steps and totals is self.totals:  # not drained meanwhile
             self.accept_rate = int(totals["accepted"] - before["accepted"]) / (steps * self.k)
         return out
 
     def _size_cache(self, prompts, steps: int, n: int) -> None:
         super()._size_cache(prompts, steps + self.k + 1, n)  # a block writes k past the last token
         self.row_accepted = torch.zeros(self.fwd.slots, dtype=torch.long, device=self.fwd.device)
+        self.row_steps = torch.zeros_like(self.row_accepted)
+        self._hi = 0
         self.drafter.allocate(self.fwd)
         run, f = self.runner, self.fwd
         self.graphs.prepare((f.weights_signature(), f.slots, f.max_len, f.k_cache.data_ptr(), run.tok.data_ptr(),
@@ -167,7 +174,16 @@ class SpecGenerator(FastGenerator):
         self.runner.prepare()
 
     def _need(self, live: int, t: int) -> int:
-        return min(self.fwd.max_len, int(self.runner.pos[:live].max()) + self.k + 1)
+        """One more than the largest position a step from here writes, from the host-side bound
+        (a row gains at most ``k + 1`` positions a step and ``max_new_tokens`` in all)."""
+        cap = int((self.rows.plen[:live] + self.steps).max()) if live else 0
+        return min(self.fwd.max_len, min(self._hi, cap) + self.k + 1)
+
+    def _admit(self, queue: Any, prompts: Any, live: int, t: int) -> int:
+        joined = super()._admit(queue, prompts, live, t)
+        if joined > live:  # new rows sit at their prompt's length
+            self._hi = max(self._hi, int(self.rows.plen[live:joined].max()))
+        return joined
 
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
                  repeats: torch.Tensor) -> torch.Tensor:
@@ -179,8 +195,15 @@ class SpecGenerator(FastGenerator):
         return lm_logits(self.fwd, last)
 
     def _retire_finished(self, live: int, t: int, check_done: bool) -> int:
+        """Every ``sync_every`` steps (or when rows joined): one read of the rows' finished flags
+        and positions, which also tightens ``_hi``."""
+        if not check_done or not live:
+            return live
         r = self.rows
-        out = torch.nonzero(r.done[:live] | (r.count[:live] >= self.steps)).flatten().tolist()
+        flags, pos = torch.stack([(r.done[:live] | (r.count[:live] >= self.steps)).long(),
+                                  self.runner.pos[:live]]).tolist()
+        out = [row for row, f in enumerate(flags) if f]
+        self._hi = max(p for row, p in enumerate(pos) if not flags[row]) if len(out) < live else 0
         return self._retire(out, live, t) if out else live
 
     def _retire(self, rows: list[int], live: int, t: int) -> int:
@@ -193,8 +216,10 @@ class SpecGenerator(FastGenerator):
             dst, src = torch.tensor(holes, device=dev), torch.tensor(movers, device=dev)
             self.drafter.move(dst, src, self._need(live, t))
             self.row_accepted[dst] = self.row_accepted[src]
+            self.row_steps[dst] = self.row_steps[src]
         left = super()._retire(rows, live, t)
         self.row_accepted[left:live] = 0  # free rows: the next ones to join start from zero
+        self.row_steps[left:live] = 0
         self._attach_counts(counts)
         return left
 
@@ -204,13 +229,13 @@ class SpecGenerator(FastGenerator):
         self._attach_counts(counts)
 
     def _row_counts(self, rows: list[int], t: int) -> list[tuple[tuple[int, int], dict[str, int]]]:
-        """(owner, ``spec_counts``) of cache rows ``rows`` leaving before decode step ``t``: a row
-        decodes one verify step at every step from the one it joined at (retirement comes first)."""
+        """(owner, ``spec_counts``) of cache rows ``rows`` leaving before decode step ``t``: the
+        verify steps that emitted for the row (not those after it finished) and its drafts accepted."""
         if not rows:
             return []
-        r = self.rows
-        accepted = self.row_accepted[torch.tensor(rows, device=self.fwd.device)].tolist()
-        return [(r.owner[row], spec_counts(t - int(r.start[row]), a, self.k)) for row, a in zip(rows, accepted)]
+        idx = torch.tensor(rows, device=self.fwd.device)
+        steps, accepted = torch.stack([self.row_steps[idx], self.row_accepted[idx]]).tolist()
+        return [(self.rows.owner[row], spec_counts(s, a, self.k)) for row, s, a in zip(rows, steps, accepted)]
 
     def _attach_counts(self, counts: list[tuple[tuple[int, int], dict[str, int]]]) -> None:
         for (i, j), c in counts:
@@ -250,9 +275,10 @@ class SpecGenerator(FastGenerator):
         else:
             tokens, accepted, logps, hidden = self._step(live, None, None)
         # emitted: up to the first rejection, the first stop token and the row's token budget (a
-        # prefix of the block; the whole block is written, past the row's count, with no host sync)
+        # prefix of the block; the whole block is written, past the row's count, with no host sync);
+        # nothing once the row has finished (it decodes until the host next reads the flags)
         j = torch.arange(k + 1, device=tokens.device)
-        keep = j <= accepted[:, None]
+        keep = (j <= accepted[:, None]) & ~r.done[:live, None]
         hit = keep & torch.isin(tokens, self.stop)
         first_stop = torch.where(hit.any(1), hit.float().argmax(1), k + 1)
         keep &= (j <= first_stop[:, None]) & (j < (self.steps - r.count[:live])[:, None])
@@ -268,10 +294,15 @@ class SpecGenerator(FastGenerator):
         run.tok[:live] = tokens[at, n - 1]
         self.drafter.commit(live, hidden, tokens, n, run.pos[:live], prev)
         run.pos[:live] += n
-        self.totals["steps"] += live
-        self.totals["emitted"] = n.sum() + self.totals["emitted"]  # on the device: no sync
-        self.totals["accepted"] = accepted.sum() + self.totals["accepted"]
+        self._hi += k + 1
+        emitted = n > 0  # the row was still going
+        accepted = accepted * emitted
+        totals = self.totals  # on the device: no sync
+        totals["steps"] = emitted.sum() + totals["steps"]
+        totals["emitted"] = n.sum() + totals["emitted"]
+        totals["accepted"] = accepted.sum() + totals["accepted"]
         self.row_accepted[:live] += accepted
+        self.row_steps[:live] += emitted
 
     def drain(self) -> dict[str, float]:
         """``spec_accept_len`` and ``spec_accept_rate`` since the last call (``rejection.acceptance``)."""
