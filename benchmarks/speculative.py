@@ -172,6 +172,7 @@ def decode_table(args) -> None:
     plain = TorchEngine(TorchEngineConfig.model_validate(base), spec=spec_, tokenizer=Tok())
     draft = "mtp" if args.mtp else "head"
     greedy = SamplingParams(0.0, 1.0, 0, args.new_tokens, [])
+    teach = SamplingParams(0.0, 1.0, 0, args.train_tokens or args.new_tokens, [])
     g = torch.Generator().manual_seed(1)
     prompt = lambda: torch.randint(1, cfg.vocab_size, (8,), generator=g).tolist()  # noqa: E731
     # the head learns the model's own greedy continuations (a random model's text is its policy)
@@ -183,7 +184,7 @@ def decode_table(args) -> None:
         train = DraftTraining(DraftConfig(lr=args.head_lr), model)
     for step in range(args.head_steps):
         prompts = [prompt() for _ in range(args.head_batch)]
-        comps = plain.generate(prompts, greedy, n=1)
+        comps = plain.generate(prompts, teach, n=1)
         samples = [Sample(task=Task(prompt=""), prompt_ids=p, response_ids=c[0].token_ids,
                           loss_mask=[1] * len(c[0].token_ids)) for p, c in zip(prompts, comps)]
         with torch.enable_grad():
@@ -259,6 +260,8 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="the engine's decode speed-up per batch size")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--train-tokens", type=int, default=None, help="--decode: tokens of each continuation the "
+                    "head learns from (default: --new-tokens)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[3], help="draft tokens per step (--decode: several)")
     ap.add_argument("--profile", action="store_true", help="--decode on CUDA: one call's kernels, first batch")
     ap.add_argument("--head-steps", type=int, default=150)

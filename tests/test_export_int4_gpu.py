@@ -42,7 +42,8 @@ def test_the_folder_on_cuda_gives_the_engines_w4a16_logprobs(tmp_path):
                          tokenizer=spec.build_tokenizer())
     assert engine.model.model.layers[0].self_attn.q_proj.weight_packed.is_cuda
     ids = torch.randint(0, 64, (2, 12), device="cuda")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda",
+    # use_kernels=False: transformers would otherwise fetch hub kernels for a CUDA device map
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda", use_kernels=False,
                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
     with torch.no_grad():
         want = torch.log_softmax(engine.model(input_ids=ids).logits.float(), -1)

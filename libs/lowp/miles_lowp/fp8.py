@@ -61,7 +61,7 @@ def quantize_blockwise(w: torch.Tensor, block: int = BLOCK, halves: int = 1) -> 
     lead, (N, K) = w.shape[:-2], w.shape[-2:]
     if N % halves:
         raise ValueError(f"blockwise FP8: {N} rows do not split into {halves} halves")
-    q, scale = _quantize(w.reshape(-1, N // halves, K), block)
+    q, scale = _quantize(w.detach().reshape(-1, N // halves, K), block)
     return q.reshape(w.shape), scale.reshape(*lead, halves * scale.shape[-2], scale.shape[-1])
 
 
@@ -91,7 +91,10 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
 def quantize_groups(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 [..., K], scale float32 [..., ceil(K/block)])``: each row of ``x`` in groups of
     ``block`` columns with one scale each (1x128 activations); the edge group is zero-padded."""
-    return _quantize_groups(x, block)
+    # one 2-D, grad-free operand: the compiled kernel is not recompiled per rank or autograd flag
+    # (past torch's recompile limit it would run eager)
+    q, scale = _quantize_groups(x.detach().reshape(-1, x.shape[-1]), block)
+    return q.view(*x.shape[:-1], q.shape[-1]), scale.view(*x.shape[:-1], scale.shape[-1])
 
 
 @_fused

@@ -51,12 +51,14 @@ def _round_up(x: int, step: int) -> int:
 class _Rows:
     """Per-row state of one ``generate`` call: device buffers indexed by cache row, host mirrors."""
 
-    def __init__(self, slots: int, steps: int, device: torch.device):
-        self.tokens = torch.zeros((slots, steps), dtype=torch.long, device=device)
-        self.logps = torch.zeros((slots, steps), dtype=torch.float32, device=device)
-        self.count = torch.zeros(slots, dtype=torch.long, device=device)   # tokens sampled
-        self.length = torch.zeros(slots, dtype=torch.long, device=device)  # up to the first stop
-        self.done = torch.zeros(slots, dtype=torch.bool, device=device)
+    def __init__(self, slots: int, steps: int, device: torch.device, buffers: tuple | None = None):
+        """``buffers``: the five device buffers to reuse (a generator whose CUDA graphs read them)."""
+        if buffers is None:
+            buffers = (torch.zeros((slots, steps), dtype=torch.long, device=device),
+                       torch.zeros((slots, steps), dtype=torch.float32, device=device),
+                       *(torch.zeros(slots, dtype=dt, device=device) for dt in (torch.long, torch.long, torch.bool)))
+        # tokens and log-probs sampled, tokens sampled, tokens up to the first stop, stopped
+        self.tokens, self.logps, self.count, self.length, self.done = buffers
         self.owner = [(0, 0)] * slots          # (prompt index, sample index)
         self.start = np.zeros(slots, np.int64)  # decode step at which the row joined
         self.plen = np.zeros(slots, np.int64)   # prompt length
@@ -122,7 +124,7 @@ class FastGenerator:
         dev = self.fwd.device
         self.params, self.gen, self.steps, self.version = params, gen, steps, version
         self.stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
-        self.rows = _Rows(slots, steps, dev)
+        self.rows = self._new_rows(slots, steps, dev)
         self.out: list[list[Completion | None]] = [[None] * n for _ in prompts]
         self.stats = dict(prefills=0, prefilled_prompts=0, decode_steps=0, max_rows=0, joined_mid_decode=0)
         queue = deque((i, s, min(slots, n - s)) for i in range(len(prompts)) for s in range(0, n, slots))
@@ -154,6 +156,9 @@ class FastGenerator:
             self.live = self.queued = self._kv_base = 0
         self.stats["decode_steps"] = t
         return self.out  # type: ignore[return-value]
+
+    def _new_rows(self, slots: int, steps: int, device: torch.device) -> _Rows:
+        return _Rows(slots, steps, device)
 
     def load(self) -> tuple[int, int, int, int]:
         """(rows decoding, rows waiting for a cache row, cache positions the live rows hold, cache

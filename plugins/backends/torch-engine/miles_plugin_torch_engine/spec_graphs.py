@@ -4,10 +4,10 @@ A speculative step is ``k`` draft steps, a verify block of ``k + 1`` positions p
 KV cache and the rejection-sampling verification: over a thousand small kernels for a 24-layer
 model, which eager PyTorch launched one by one at ~10x the cost of a graphed plain decode step.
 Here the whole step is one graph per (row bucket, length bucket, sampling parameters): it reads
-the rows' last tokens and positions and the draft's state from fixed buffers (the scheduler's
-``tok`` / ``pos``, the drafter's, the KV caches) and writes the candidate tokens, the number of
-drafts accepted, the log-probs and the block's hidden states into fixed output buffers. Rows past
-the live batch are scratch (free cache rows at position 0), as in decode.
+and advances in place fixed buffers (the scheduler's ``tok`` / ``pos``, the rows' tokens, log-probs,
+counts and flags, the draft's state, the KV caches, the acceptance counters), so the host launches
+one graph a step and reads nothing back. Rows past the live batch are scratch (free cache rows at
+position 0, flagged finished so that they emit nothing), as in decode.
 
 Random numbers: the uniforms of the step's draws (``k`` drafts, ``k`` acceptance tests and the
 residual's draw per row) are drawn eagerly from the request's generator into a fixed buffer before

@@ -14,8 +14,9 @@ Rejected positions need no rollback: their keys and values sit past the row's po
 decode masks them until they are overwritten. Rows keep their own positions (continuous
 batching), so a step's block attends with a per-row mask. On CUDA the block runs the decode
 step's Triton kernels (each of a row's ``k + 1`` tokens is a query row at its own position) and
-the whole step (drafts, block, verification) replays from CUDA graphs (``spec_graphs``); on CPU
-it is plain torch. A generate call of more rows than ``max_batch`` goes to the engine's plain
+the whole step (drafts, block, verification, the rows' bookkeeping) replays from CUDA graphs
+(``spec_graphs``), the host reading the rows' flags only every few steps; on CPU it is plain
+torch. A generate call of more rows than ``max_batch`` goes to the engine's plain
 fast path instead, where the block's extra positions cost more than the steps they save.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from miles_fastpath.ops import rms_norm as _rms
 
 from . import cpu_workers, triton_ops
-from .batching import FastGenerator
+from .batching import FastGenerator, _Rows
 from .cuda_graphs import DecodeRunner
 from .fast import LlamaFamilyForward, _lin
 from .rejection import acceptance, sampling_probs, verify
@@ -134,17 +135,24 @@ class SpecGenerator(FastGenerator):
         self.max_batch = auto_max_batch(fwd.device, cfg.cuda_graphs) if limit == "auto" else limit
         # the step reads cache positions below a length bucket unless every forward is Triton's
         self._bucketed = drafter.reads_length or not fwd.use_triton
-        self.totals = {"steps": 0, "emitted": 0, "accepted": 0}  # row-steps; drained by the engine
+        # device buffers the graphed step reads and writes in place, kept across generate calls:
+        # row-steps, tokens emitted and drafts accepted (drained by the engine); per cache row the
+        # verify steps that emitted and the drafts accepted since it joined; the rows' tokens,
+        # log-probs, counts and flags (``_Rows``); the token budget; the stop ids (-1 padded)
+        dev = fwd.device
+        self.counts = torch.zeros(3, dtype=torch.long, device=dev)
+        self._drains = 0
+        self.row_steps = self.row_accepted = torch.zeros(0, dtype=torch.long, device=dev)
+        self._rows: tuple = ()
+        self._budget = torch.zeros((), dtype=torch.long, device=dev)
+        self._stops = torch.full((8,), -1, dtype=torch.long, device=dev)
         self.accept_rate: float | None = None  # drafts accepted / drafted in the last generate call
-        self.row_accepted: torch.Tensor | None = None  # per cache row: drafts accepted since it joined
-        self.row_steps: torch.Tensor | None = None  # per cache row: verify steps that emitted
 
     def generate(self, *args: Any, **kwargs: Any) -> list:
         """``FastGenerator.generate``; on CPU on a driver thread of one intra-op thread (as the
         plain CPU path's driver, ``cpu_workers``): the caller's OpenMP team stalls at every small
         op whenever another process takes a core."""
-        totals = self.totals
-        before = dict(totals)
+        before, drains = self.counts.clone(), self._drains
         if self.fwd.device.type != "cpu" or torch.get_num_threads() <= 1:
             out = super().generate(*args, **kwargs)
         else:
@@ -153,21 +161,48 @@ class SpecGenerator(FastGenerator):
                     return FastGenerator.generate(self, *args, **kwargs)
 
             out = cpu_workers.pool(1, "driver").submit(drive).result()
-        steps = totals["steps"] - before["steps"]
-        steps = int(steps)  # a device count: the outputs are on the host, so no wait
-        if steps and totals is self.totals:  # not drained meanwhile
-            self.accept_rate = int(totals["accepted"] - before["accepted"]) / (steps * self.k)
+        steps, _, accepted = (self.counts - before).tolist()  # the outputs are on the host: no wait
+        if steps and drains == self._drains:  # not drained meanwhile
+            self.accept_rate = accepted / (steps * self.k)
         return out
 
     def _size_cache(self, prompts, steps: int, n: int) -> None:
         super()._size_cache(prompts, steps + self.k + 1, n)  # a block writes k past the last token
-        self.row_accepted = torch.zeros(self.fwd.slots, dtype=torch.long, device=self.fwd.device)
-        self.row_steps = torch.zeros_like(self.row_accepted)
+        f, dev, width = self.fwd, self.fwd.device, steps + self.k + 1  # a block's tokens past any count
+        if self.row_steps.shape[0] != f.slots:
+            self.row_steps, self.row_accepted = torch.zeros((2, f.slots), dtype=torch.long, device=dev)
+        if not self._rows or self._rows[0].shape[0] != f.slots or self._rows[0].shape[1] < width:
+            self._rows = (torch.zeros((f.slots, width), dtype=torch.long, device=dev),
+                          torch.zeros((f.slots, width), dtype=torch.float32, device=dev),
+                          *(torch.zeros(f.slots, dtype=dt, device=dev) for dt in (torch.long, torch.long, torch.bool)))
         self._hi = 0
-        self.drafter.allocate(self.fwd)
-        run, f = self.runner, self.fwd
+        self.drafter.allocate(f)
+        self._prepare_graphs()
+
+    def _prepare_graphs(self) -> None:
+        """Graphs captured over other buffers than these are dropped."""
+        f, run = self.fwd, self.runner
         self.graphs.prepare((f.weights_signature(), f.slots, f.max_len, f.k_cache.data_ptr(), run.tok.data_ptr(),
-                             run.pos.data_ptr(), self.drafter.signature()), f.slots, 2 * self.k + 1)
+                             run.pos.data_ptr(), self.drafter.signature(), self._rows[0].data_ptr(),
+                             self.row_steps.data_ptr(), self._stops.data_ptr()), f.slots, 2 * self.k + 1)
+
+    def _new_rows(self, slots: int, steps: int, device: torch.device) -> _Rows:
+        """The kept row buffers, every row free: a free row counts as finished, so the graph's
+        scratch rows (past the live ones) emit nothing and keep their position 0."""
+        stop = self.stop.tolist()
+        if len(stop) > self._stops.shape[0]:
+            self._stops = torch.full((len(stop),), -1, dtype=torch.long, device=device)
+            self._prepare_graphs()
+        self._stops.fill_(-1)
+        self._stops[:len(stop)] = self.stop
+        self._budget.fill_(steps)
+        rows = _Rows(slots, steps, device, self._rows)
+        rows.count.zero_()
+        rows.length.zero_()
+        rows.done.fill_(True)
+        self.row_steps.zero_()
+        self.row_accepted.zero_()
+        return rows
 
     def _refresh(self) -> None:
         self.fwd.refresh()
@@ -220,6 +255,7 @@ class SpecGenerator(FastGenerator):
         left = super()._retire(rows, live, t)
         self.row_accepted[left:live] = 0  # free rows: the next ones to join start from zero
         self.row_steps[left:live] = 0
+        self.rows.done[left:live] = True  # and count as finished (``_new_rows``)
         self._attach_counts(counts)
         return left
 
@@ -241,73 +277,65 @@ class SpecGenerator(FastGenerator):
         for (i, j), c in counts:
             self.out[i][j].extras[EXTRAS_KEY] = c
 
-    def _step(self, size: int, length: int | None, u: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """Drafts, the verify block and rejection sampling for rows ``[0, size)``: the ``k + 1``
-        candidate tokens, the drafts accepted, the tokens' log-probs and the block's hidden states.
-        ``length`` / ``u``: the attention length bucket and the uniforms of a CUDA graph (None:
-        eager, the length read from the positions and the uniforms drawn from the generator)."""
-        run, k, params, gen = self.runner, self.k, self.params, self.gen
+    def _advance(self, size: int, length: int | None, u: torch.Tensor | None) -> tuple:
+        """One speculative step of rows ``[0, size)``, all on the device: drafts, the verify block,
+        rejection sampling, and the rows' tokens, log-probs, counts, flags, positions and the
+        draft's state advanced in place. ``length`` / ``u``: the attention length bucket and the
+        uniforms of a CUDA graph (None: eager, the length read from the positions and the uniforms
+        drawn from the generator). Finished and free rows emit nothing."""
+        r, run, k, params, gen = self.rows, self.runner, self.k, self.params, self.gen
         last, pos = run.tok[:size], run.pos[:size]
         drafts, q = self.drafter.propose(size, last, pos, k, params, gen, u=None if u is None else u[:, :k],
                                          length=length)
         hidden = forward_block(self.fwd, torch.cat([last[:, None], drafts], dim=1), pos, length=length)
         logits = lm_logits(self.fwd, hidden).float()
         p = logits if q is None else sampling_probs(logits, params)
-        if u is None:
-            tokens, accepted = verify(p, q, drafts, gen)
-        else:
-            tokens, accepted = verify(p, q, drafts, gen, u[:, k:])
+        tokens, accepted = verify(p, q, drafts, gen, None if u is None else u[:, k:])
         temp = params.temperature if params.temperature > 0 else 1.0
         logps = torch.log_softmax(logits / temp, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
-        return tokens, accepted, logps, hidden
+        # emitted: up to the first rejection, the first stop token and the row's token budget (a
+        # prefix of the block; the whole block is written, past the row's count)
+        j = torch.arange(k + 1, device=tokens.device)
+        keep = (j <= accepted[:, None]) & ~r.done[:size, None]
+        hit = keep & torch.isin(tokens, self._stops)
+        first_stop = torch.where(hit.any(1), hit.float().argmax(1), k + 1)
+        keep &= (j <= first_stop[:, None]) & (j < (self._budget - r.count[:size])[:, None])
+        n = keep.sum(1)
+        at = torch.arange(size, device=tokens.device)
+        cols = r.count[:size, None] + j
+        r.tokens[:size].scatter_(1, cols, tokens)
+        r.logps[:size].scatter_(1, cols, logps)
+        r.length[:size] += n
+        r.count[:size] += n
+        r.done[:size] |= first_stop < n
+        prev = torch.where(n > 1, tokens[at, (n - 2).clamp(min=0)], last)
+        emitted = n > 0  # the row was still going
+        run.tok[:size] = torch.where(emitted, tokens[at, (n - 1).clamp(min=0)], last)
+        self.drafter.commit(size, hidden, tokens, n, pos, prev)
+        run.pos[:size] += n
+        accepted = accepted * emitted
+        self.counts += torch.stack([emitted.sum(), n.sum(), accepted.sum()])
+        self.row_accepted[:size] += accepted
+        self.row_steps[:size] += emitted
+        return ()
 
     def _decode(self, live: int, t: int) -> None:
-        r, run, k, params = self.rows, self.runner, self.k, self.params
-        if r.tokens.shape[1] < self.steps + k + 1:  # room for a whole block past any row's count
-            pad = (0, self.steps + k + 1 - r.tokens.shape[1])
-            r.tokens, r.logps = F.pad(r.tokens, pad), F.pad(r.logps, pad)
         if self.graphs.use_graphs:
             need = self._need(live, t)
             length = min(self.fwd.max_len, -(-need // DecodeRunner.LENGTH_STEP) * DecodeRunner.LENGTH_STEP)
+            params = self.params
             mode = ("greedy",) if params.temperature <= 0 else (params.temperature, params.top_k, params.top_p)
-            tokens, accepted, logps, hidden = self.graphs.step(
-                self._step, live, length if self._bucketed else 0, length, mode, self.gen)
+            self.graphs.step(self._advance, live, length if self._bucketed else 0, length, mode, self.gen)
         else:
-            tokens, accepted, logps, hidden = self._step(live, None, None)
-        # emitted: up to the first rejection, the first stop token and the row's token budget (a
-        # prefix of the block; the whole block is written, past the row's count, with no host sync);
-        # nothing once the row has finished (it decodes until the host next reads the flags)
-        j = torch.arange(k + 1, device=tokens.device)
-        keep = (j <= accepted[:, None]) & ~r.done[:live, None]
-        hit = keep & torch.isin(tokens, self.stop)
-        first_stop = torch.where(hit.any(1), hit.float().argmax(1), k + 1)
-        keep &= (j <= first_stop[:, None]) & (j < (self.steps - r.count[:live])[:, None])
-        n = keep.sum(1)
-        at = torch.arange(live, device=tokens.device)
-        cols = r.count[:live, None] + j
-        r.tokens[:live].scatter_(1, cols, tokens)
-        r.logps[:live].scatter_(1, cols, logps)
-        r.length[:live] += n
-        r.count[:live] += n
-        r.done[:live] |= first_stop < n
-        prev = torch.where(n > 1, tokens[at, (n - 2).clamp(min=0)], run.tok[:live])
-        run.tok[:live] = tokens[at, n - 1]
-        self.drafter.commit(live, hidden, tokens, n, run.pos[:live], prev)
-        run.pos[:live] += n
-        self._hi += k + 1
-        emitted = n > 0  # the row was still going
-        accepted = accepted * emitted
-        totals = self.totals  # on the device: no sync
-        totals["steps"] = emitted.sum() + totals["steps"]
-        totals["emitted"] = n.sum() + totals["emitted"]
-        totals["accepted"] = accepted.sum() + totals["accepted"]
-        self.row_accepted[:live] += accepted
-        self.row_steps[:live] += emitted
+            self._advance(live, None, None)
+        self._hi += self.k + 1
 
     def drain(self) -> dict[str, float]:
         """``spec_accept_len`` and ``spec_accept_rate`` since the last call (``rejection.acceptance``)."""
-        totals, self.totals = self.totals, {"steps": 0, "emitted": 0, "accepted": 0}
-        return acceptance(totals, self.k)
+        taken = self.counts.clone()
+        self.counts -= taken  # in stream order with the steps that add to it
+        self._drains += 1
+        return acceptance(dict(zip(("steps", "emitted", "accepted"), taken.tolist())), self.k)
 
 
 def setup(cfg: Any, model: torch.nn.Module, fast: Any) -> SpecGenerator:

@@ -83,6 +83,31 @@ def test_greedy_tokens_are_the_targets_and_logprobs_too(target, draft_dir, draft
     assert spec_engine.step_metrics() == {}  # drained
 
 
+def test_free_rows_stepped_with_the_live_ones_emit_nothing(target, monkeypatch):
+    """A CUDA graph steps a whole bucket of rows, the free ones past the live rows included:
+    stepping every cache row each step, as such a bucket does, leaves the outputs the target's
+    greedy ones and the acceptance counts those of the live rows."""
+    from miles_plugin_torch_engine.speculative import SpecGenerator
+
+    prompts = [[1, 2, 3], [4, 5], [3, 1, 4, 1, 5], [2], [0, 4]]
+    params = SamplingParams(0.0, 1.0, 0, 9, [5])
+    plain = _engine(target).generate(prompts, params, n=2)
+    engines = [_engine(target, DRAFTS["head"](None), max_batch_size=4) for _ in range(2)]
+    want = engines[0].generate(prompts, params, n=2)
+
+    def every_row(self, live, t):
+        self._advance(self.fwd.slots, None, None)
+        self._hi += self.k + 1
+
+    monkeypatch.setattr(SpecGenerator, "_decode", every_row)
+    engines[1]._spec.sync_every = 3
+    got = engines[1].generate(prompts, params, n=2)
+    for a, b in zip(itertools.chain(*plain), itertools.chain(*got)):
+        assert a.token_ids == b.token_ids and np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert [c.extras for c in itertools.chain(*got)] == [c.extras for c in itertools.chain(*want)]
+    assert engines[1].step_metrics() == engines[0].step_metrics()
+
+
 def _exact(model, params: SamplingParams) -> dict[tuple, float]:
     return exact(model, PROMPT, STEPS, VOCAB, params)
 
@@ -114,8 +139,8 @@ def test_a_biased_verifier_fails_the_same_check(target, monkeypatch):
 
     verify = speculative.verify
 
-    def accept_all(p, q, drafts, gen):
-        out, _ = verify(p, q, drafts, gen)
+    def accept_all(p, q, drafts, gen, u=None):
+        out, _ = verify(p, q, drafts, gen, u)
         out[:, :-1] = drafts
         return out, torch.full((drafts.shape[0],), drafts.shape[1], device=drafts.device)
 
