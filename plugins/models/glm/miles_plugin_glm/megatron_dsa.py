@@ -137,7 +137,8 @@ class SparseAttention(torch.nn.Module):
                 x: torch.Tensor | None = None, qr: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
         if x is None or qr is None:
             raise MilesError("trainer megatron: GLM-5's sparse attention got no layer input from megatron-core's "
-                             "MLA (the config's experimental_attention_variant must be 'dsa'; megatron-core 0.16 or later)")
+                             "MLA (the config's experimental_attention_variant must be 'dsa'; "
+                             "megatron-core 0.16 or later)")
         if value is None or query.shape[-1] != self.q_dim:  # an absorbed (latent-space) MLA query
             raise MilesError(f"trainer megatron: GLM-5's sparse attention needs megatron-core's up-projected MLA "
                              f"query, key and value (got a query of {query.shape[-1]} channels per head, "
