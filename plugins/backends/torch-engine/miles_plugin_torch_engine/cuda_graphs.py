@@ -27,14 +27,18 @@ def batch_buckets(slots: int) -> list[int]:
 
 
 
-def capture_graph(run: Callable[[], None], device: torch.device, pool: Any) -> torch.cuda.CUDAGraph:
+def capture_graph(run: Callable[[], None], device: torch.device, pool: Any,
+                  after_warmup: Callable[[], None] | None = None) -> torch.cuda.CUDAGraph:
     """``run`` captured as a CUDA graph in ``pool``, after one warm-up on a side stream (kernel
-    selection and workspaces happen outside capture)."""
+    selection and workspaces happen outside capture); ``after_warmup`` undoes what the warm-up
+    changed, for a ``run`` that advances state in place."""
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         run()
     torch.cuda.current_stream(device).wait_stream(stream)
+    if after_warmup is not None:
+        after_warmup()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         run()

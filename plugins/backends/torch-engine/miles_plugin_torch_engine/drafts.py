@@ -57,6 +57,11 @@ class HeadDrafter:
         # the head's weights are the model's: in the forward's signature
         return (self.feat.data_ptr(), self.k_cache.data_ptr(), self.v_cache.data_ptr())
 
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """Per-row state a step overwrites (its cache entries at and past a row's position are
+        rewritten before they are read)."""
+        return (self.feat,)
+
     def _write(self, slots: torch.Tensor, at: torch.Tensor, feature: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         """Entries of ``feature [..., d]`` and the token after it at positions ``at`` of cache rows
         ``slots`` (broadcast alike); the entry's ``(x, q)``."""
@@ -151,6 +156,9 @@ class ModelDrafter:
 
     def signature(self) -> tuple:
         return self.fwd.weights_signature() + (self.fwd.k_cache.data_ptr(), self.prev.data_ptr())
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        return (self.prev,)
 
     def join(self, rows, features, prev, ids, lengths, repeats, hidden) -> None:
         self.fwd.prefill(ids, lengths, rows, repeats)

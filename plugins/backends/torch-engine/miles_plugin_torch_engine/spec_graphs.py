@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -37,8 +37,10 @@ class SpecGraphs:
     """The speculative step ``step(size, length, u) -> tensors`` over rows ``[0, size)``, replayed
     from CUDA graphs (one per row bucket, length key and sampling mode)."""
 
-    def __init__(self, device: torch.device, use_graphs: bool):
+    def __init__(self, device: torch.device, use_graphs: bool, state: Callable[[], Sequence[torch.Tensor]] = tuple):
+        """``state``: the tensors a step advances in place; a capture's warm-up run is undone on them."""
         self.device = device
+        self.state = state
         self.use_graphs = use_graphs and device.type == "cuda"
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -88,6 +90,12 @@ class SpecGraphs:
             for dst, src in zip(self.out, outs):
                 dst[:size].copy_(src)
 
+        saved = [t.clone() for t in self.state()]
+
+        def undo() -> None:
+            for t, v in zip(self.state(), saved):
+                t.copy_(v)
+
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        return capture_graph(run, self.device, self._pool)
+        return capture_graph(run, self.device, self._pool, after_warmup=undo)

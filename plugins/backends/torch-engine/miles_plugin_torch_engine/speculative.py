@@ -124,7 +124,7 @@ class SpecGenerator(FastGenerator):
         super().__init__(cfg, model)
         self.fwd = fwd
         self.runner = DecodeRunner(fwd, False)  # its tok / pos buffers: the rows' last token and position
-        self.graphs = SpecGraphs(fwd.device, cfg.cuda_graphs)
+        self.graphs = SpecGraphs(fwd.device, cfg.cuda_graphs, self._state)
         self.prefill = self._prefill
         # on CUDA the host reads the rows' flags every few steps, not every step: a step never
         # waits for the one before it (a finished row emits nothing until it is retired)
@@ -185,6 +185,11 @@ class SpecGenerator(FastGenerator):
         self.graphs.prepare((f.weights_signature(), f.slots, f.max_len, f.k_cache.data_ptr(), run.tok.data_ptr(),
                              run.pos.data_ptr(), self.drafter.signature(), self._rows[0].data_ptr(),
                              self.row_steps.data_ptr(), self._stops.data_ptr()), f.slots, 2 * self.k + 1)
+
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        """What a step advances in place, besides cache positions it rewrites before reading."""
+        return (*self.rows.device_buffers(), self.runner.tok, self.runner.pos, self.counts, self.row_steps,
+                self.row_accepted, *self.drafter.state())
 
     def _new_rows(self, slots: int, steps: int, device: torch.device) -> _Rows:
         """The kept row buffers, every row free: a free row counts as finished, so the graph's

@@ -83,25 +83,39 @@ def test_greedy_tokens_are_the_targets_and_logprobs_too(target, draft_dir, draft
     assert spec_engine.step_metrics() == {}  # drained
 
 
-def test_free_rows_stepped_with_the_live_ones_emit_nothing(target, monkeypatch):
-    """A CUDA graph steps a whole bucket of rows, the free ones past the live rows included:
-    stepping every cache row each step, as such a bucket does, leaves the outputs the target's
-    greedy ones and the acceptance counts those of the live rows."""
-    from miles_plugin_torch_engine.speculative import SpecGenerator
+class _Replayed:
+    """A CUDA graph's stand-in on CPU: a replay runs the captured step again, eagerly."""
 
-    prompts = [[1, 2, 3], [4, 5], [3, 1, 4, 1, 5], [2], [0, 4]]
-    params = SamplingParams(0.0, 1.0, 0, 9, [5])
-    plain = _engine(target).generate(prompts, params, n=2)
+    def __init__(self, run, device, pool, after_warmup=None):
+        run()  # the warm-up, as capture_graph runs it, then undone
+        if after_warmup is not None:
+            after_warmup()
+        self.replay = run
+
+
+def test_the_graphed_step_path_on_cpu_gives_the_eager_outputs_and_counts(target, monkeypatch):
+    """The CUDA-graph path of the speculative step (``spec_graphs``) with each graph's replay run
+    eagerly: a bucket steps the free rows past the live ones too, the capture's warm-up advances
+    the rows once and is undone, the attention length comes from the host-side bound, and the
+    host reads the rows' flags every few steps. Outputs are the target's greedy ones and every
+    completion's acceptance counts are the eager path's."""
+    from miles_plugin_torch_engine import spec_graphs
+    from miles_plugin_torch_engine.cuda_graphs import DecodeRunner
+
+    # 7 rows through 4 cache rows: rows join mid-decode, and 3 live rows step a bucket of 4 (a
+    # free row, one that stopped early, with them)
+    prompts = [[1, 2, 3], [4, 5], [3, 1, 4, 1, 5], [2], [0, 4], [3, 3, 3], [1, 1]]
+    params = SamplingParams(0.0, 1.0, 0, 16, [5])
+    plain = _engine(target).generate(prompts, params, n=1)
     engines = [_engine(target, DRAFTS["head"](None), max_batch_size=4) for _ in range(2)]
-    want = engines[0].generate(prompts, params, n=2)
-
-    def every_row(self, live, t):
-        self._advance(self.fwd.slots, None, None)
-        self._hi += self.k + 1
-
-    monkeypatch.setattr(SpecGenerator, "_decode", every_row)
-    engines[1]._spec.sync_every = 3
-    got = engines[1].generate(prompts, params, n=2)
+    want = engines[0].generate(prompts, params, n=1)
+    monkeypatch.setattr(spec_graphs, "capture_graph", _Replayed)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(DecodeRunner, "LENGTH_STEP", 1)  # the head attends exactly up to the bound
+    graphed = engines[1]._spec
+    graphed.graphs.use_graphs, graphed.sync_every = True, 2
+    got = engines[1].generate(prompts, params, n=1)
+    assert graphed.graphs._graphs  # the graphed path ran
     for a, b in zip(itertools.chain(*plain), itertools.chain(*got)):
         assert a.token_ids == b.token_ids and np.allclose(a.logprobs, b.logprobs, atol=1e-5)
     assert [c.extras for c in itertools.chain(*got)] == [c.extras for c in itertools.chain(*want)]
