@@ -31,7 +31,7 @@ from miles_mtp import attention_mask
 from .engine import _left_pad, _repeat_cache, _sample
 from .rejection import acceptance, propose_token, sampling_probs, verify
 from .spec_meta import spec_counts
-from .speculative import AUTO_MAX_BATCH
+from .speculative import auto_max_batch
 
 _KEY = "engine.speculative.draft"
 
@@ -262,6 +262,5 @@ def setup_mtp(cfg: Any, model: torch.nn.Module, spec: Any, cache_kw: str) -> MTP
         raise ConfigError([f"{_KEY}: mtp: {problem}; remove engine.speculative"])
     limit = cfg.speculative.max_batch
     if limit == "auto":  # both sides run eagerly here (no CUDA graphs): the fast path's rule with graphs
-        device = next(model.parameters()).device.type
-        limit = AUTO_MAX_BATCH.get(device, AUTO_MAX_BATCH["cuda"])
+        limit = auto_max_batch(next(model.parameters()).device, cuda_graphs=True)
     return MTPGenerator(model, layers[0], cfg.speculative.tokens, limit, cache_kw)

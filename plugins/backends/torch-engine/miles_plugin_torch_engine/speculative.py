@@ -21,6 +21,7 @@ fast path instead, where the block's extra positions cost more than the steps th
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -35,21 +36,29 @@ from .rejection import acceptance, sampling_probs, verify
 from .spec_graphs import SpecGraphs
 from .spec_meta import EXTRAS_KEY, spec_counts
 
+log = logging.getLogger(__name__)
+
 # rows above which a step stops paying (a generate call of more rows decodes without drafts),
 # measured by `python benchmarks/speculative.py --decode` (CPU) and `... --decode --device cuda`
-# (H100, 0.5B shape, k=3). CPU: 1.3x at 8 rows, 0.6x at 64. CUDA, the step in graphs: a step
-# costs 1.75x a plain graphed step at 1 row, 2x at 8, 2.8x at 64, 4x at 256, so it pays where
-# the acceptance length beats that (the benchmark's 150-step head, 1.3-1.6: 0.93x at 1 row,
-# 0.66x at 8; an EAGLE head on real text, 2-3, pays up to ~8 rows). Without graphs a step cost
-# ~10x a plain one at every batch: auto is off then (auto_max_batch).
-AUTO_MAX_BATCH = {"cpu": 16, "cuda": 8}
+# (H100, 0.5B shape). CPU: no batch size pays at the quickstart's size, even with a head that
+# accepts 3.7 tokens of 4 (0.36x at 1 row, 0.5x at 8: the plain path has its own CPU decoder, the
+# drafted step ~100 small ops), nor the mtp draft (0.77x at 1 row): auto never drafts there. CUDA,
+# the step in graphs: a step costs 1.6x a plain graphed step in GPU time at 1 row and more above,
+# so it pays up to about 8 rows where the draft accepts 2-3 tokens a step (an EAGLE head on real
+# text); the benchmark's random-weight model's head (1.5-1.6) gives 0.93x at 1 row. Without
+# graphs a step cost ~10x a plain one at every batch: auto is off then.
+AUTO_MAX_BATCH = {"cpu": 0, "cuda": 8}
 
 
 def auto_max_batch(device: torch.device, cuda_graphs: bool) -> int:
-    """``engine.speculative.max_batch: auto`` on ``device``: 0 (never) on CUDA without graphs."""
-    if device.type == "cuda" and not cuda_graphs:
-        return 0
-    return AUTO_MAX_BATCH.get(device.type, AUTO_MAX_BATCH["cuda"])
+    """``engine.speculative.max_batch: auto`` on ``device``: 0 (never) on CPU and on CUDA
+    without graphs, said once per engine."""
+    limit = 0 if device.type == "cuda" and not cuda_graphs else AUTO_MAX_BATCH.get(device.type, AUTO_MAX_BATCH["cuda"])
+    if limit == 0:
+        log.warning("engine.speculative: max_batch auto drafts at no batch size on %s%s, where a drafted step "
+                    "costs more than the tokens it saves; set engine.speculative.max_batch to draft anyway",
+                    device.type, "" if device.type == "cpu" else " without CUDA graphs")
+    return limit
 
 
 def forward_block(fwd: LlamaFamilyForward, tok: torch.Tensor, pos: torch.Tensor | None,

@@ -198,6 +198,13 @@ def test_above_max_batch_the_plain_path_runs_and_weights_reach_the_head(target):
     assert torch.equal(head.fc.weight, new)
 
 
+def test_auto_drafts_at_no_batch_size_on_cpu_and_says_how_to_force_it(target, caplog):
+    engine = _engine(target, {"draft": "head", "tokens": 2})
+    assert "set engine.speculative.max_batch to draft anyway" in caplog.text
+    engine.generate([[1, 2]], SamplingParams(0.0, 1.0, 0, 5, []), n=1)
+    assert engine.step_metrics() == {}
+
+
 def test_miles_serve_app_generates_through_the_speculative_engine():
     """``/generate`` of ``miles serve``'s app on a speculative engine: the plain engine's greedy
     tokens and log-probs, the acceptance counted."""
@@ -210,8 +217,8 @@ def test_miles_serve_app_generates_through_the_speculative_engine():
     from miles_plugin_torch_engine.server import build_app
 
     tok = char_tokenizer()
-    spec = TorchEngine(TorchEngineConfig.model_validate({"speculative": {"draft": "head", "tokens": 2}}),
-                       spec=TinySpec(), tokenizer=tok, seed=0)
+    cfg = TorchEngineConfig.model_validate({"speculative": {"draft": "head", "tokens": 2, "max_batch": 8}})
+    spec = TorchEngine(cfg, spec=TinySpec(), tokenizer=tok, seed=0)
     plain = TorchEngine(TorchEngineConfig(), spec=TinySpec(), tokenizer=tok, seed=0)
     scheduler = Scheduler(spec)
     app = build_app(spec, scheduler, model_dir="mem")
