@@ -311,7 +311,7 @@ class SpecGenerator(FastGenerator):
         # prefix of the block; the whole block is written, past the row's count)
         j = torch.arange(k + 1, device=tokens.device)
         keep = (j <= accepted[:, None]) & ~r.done[:size, None]
-        hit = keep & torch.isin(tokens, self._stops)
+        hit = keep & (tokens[..., None] == self._stops).any(-1)  # a compare, not isin: nothing a graph can't hold
         first_stop = torch.where(hit.any(1), hit.float().argmax(1), k + 1)
         keep &= (j <= first_stop[:, None]) & (j < (self._budget - r.count[:size])[:, None])
         n = keep.sum(1)
