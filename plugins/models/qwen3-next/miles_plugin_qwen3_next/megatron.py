@@ -91,6 +91,17 @@ def layer_spec(spec: Any) -> Any:
     return spec
 
 
+@torch.compiler.disable
+def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' chunked gated delta rule, kept out of ``trainer.compile``: dynamo would unroll
+    its Python loop over 64-token chunks and specialise on the chunk count, so each new length
+    bucket would recompile the layer into a graph that grows with the length. The projections,
+    convolution and gated norm around it still compile."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    return torch_chunk_gated_delta_rule(*args, **kwargs)
+
+
 class GatedRMSNorm(torch.nn.Module):
     """RMSNorm over one value head, then times SiLU of the output gate (transformers'
     ``Qwen3NextRMSNormGated``: normalised in fp32, weighted in the input dtype)."""
@@ -170,8 +181,6 @@ class GatedDeltaNet(MegatronModule):
         return sd
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, **_: Any) -> tuple[torch.Tensor, Any]:
-        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-
         s, b = hidden_states.shape[:2]
         mixed, _ = self.in_proj(hidden_states)
         qkv, z, beta, alpha = mixed.transpose(0, 1).split(self.split, dim=-1)  # [b, s, ...]
@@ -180,7 +189,7 @@ class GatedDeltaNet(MegatronModule):
         qk = self.nk * self.dk
         q, k, v = qkv.split([qk, qk, self.nv * self.dv], dim=-1)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
-        out, _ = torch_chunk_gated_delta_rule(
+        out, _ = chunk_gated_delta_rule(
             q.reshape(b, s, self.nk, self.dk), k.reshape(b, s, self.nk, self.dk), v.reshape(b, s, self.nv, self.dv),
             g=g, beta=beta.sigmoid(), initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
         out = self.out_norm(out, z.reshape(b, s, self.nv, self.dv))
