@@ -31,7 +31,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # GLM-5: DeepSeek-V3's attention and routing plus the sparse attention's indexer, which keeps 6 keys
 # per query (rows of the DSA tests are longer); 16 indexer heads, so ReLU'd scores rarely tie at 0
 CONFIGS["glm_moe_dsa"] = {**CONFIGS["deepseek_v3"], "rms_norm_eps": 1e-5, "index_topk": 6, "index_n_heads": 16,
-                          "index_head_dim": 16}
+                          "index_head_dim": 16, "num_nextn_predict_layers": 1}
 # DeepSeek-V4: 2 hyper-connection streams; a heavily compressed (windows of 4), a compressed sparse
 # (windows of 2, the indexer keeps 2 entries) and a sliding-window (4 tokens) attention layer; the
 # first MoE layer hash-routed, top-2 of 8 sqrt-softplus-scored experts in the others; SwiGLU clamped
@@ -109,8 +109,7 @@ def hf_model(family: str, seed: int = 0, **over: Any) -> torch.nn.Module:
                 if name.endswith(("_proj_bias", ".bias", "sinks")):
                     p.copy_(torch.randn(p.shape, generator=g) * (1.0 if name.endswith("sinks") else 0.1))
         return model.eval()
-    if family != "glm_moe_dsa":  # GLM-5's MTP layers are not attached (the glm plugin's README)
-        architecture(family).attach_mtp(model, None)  # as the hf spec does: the MTP layer rides along
+    architecture(family).attach_mtp(model, None)  # as the hf spec does: the MTP layer rides along
     g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():  # the indexer's key LayerNorm starts at the identity: move it
         for name, p in model.named_parameters():

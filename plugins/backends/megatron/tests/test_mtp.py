@@ -12,7 +12,7 @@ from miles_plugin_megatron.config import MegatronConfig
 from miles_telemetry import untimed
 
 MTP = {"train": True, "lr": 1e-2}
-NAMES = {"deepseek_v3": "model.layers.3.", "qwen3_next": "mtp."}  # the MTP layer's checkpoint names
+NAMES = {"deepseek_v3": "model.layers.3.", "glm_moe_dsa": "model.layers.3.", "qwen3_next": "mtp."}  # checkpoint names
 
 
 class MTPSpec(Spec):
@@ -58,7 +58,7 @@ def torch_engine():
     return pm.create("engines", "torch", cfg, spec=MTPSpec("deepseek_v3"), tokenizer=tok, seed=1)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next", "glm_moe_dsa"])
 def test_loss_and_step_are_the_fsdp2_trainers(megatron_cpu, family):
     """On the same weights and batch the megatron trainer's MTP loss is the one the fsdp2 trainer's
     MTPTraining computes on the Hugging Face model, and so is the loss after each one's step."""

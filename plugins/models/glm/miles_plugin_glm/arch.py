@@ -80,6 +80,27 @@ class GlmMoeDsa(_SigmoidRouted):
                      if key in config and len(config[key]) != layers]
         return problems
 
+    def attach_mtp(self, model: torch.nn.Module, folder: str | None) -> list[torch.nn.Module]:
+        """The checkpoint's MTP layers (``model.layers.<num_hidden_layers + k>``), kept beside the
+        model, with their weights from ``folder`` (None: as initialised). transformers' layer reads
+        its MoE and indexer kind from per-layer lists that end at ``num_hidden_layers``: each MTP
+        layer is built over a config copy that extends them (MoE, its own indexer, as GLM-5's
+        checkpoints hold them)."""
+        import copy
+
+        from miles_mtp import attach_nextn, nextn_layer
+        from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+        class NextN(nextn_layer(m.GlmMoeDsaDecoderLayer, m.GlmMoeDsaRMSNorm)):
+            def __init__(self, config: Any, layer_idx: int):
+                config = copy.copy(config)
+                extra = layer_idx + 1 - len(config.mlp_layer_types)
+                config.mlp_layer_types = [*config.mlp_layer_types, *["sparse"] * extra]
+                config.indexer_types = [*config.indexer_types, *["full"] * (layer_idx + 1 - len(config.indexer_types))]
+                super().__init__(config, layer_idx)
+
+        return attach_nextn(model, NextN, folder)
+
     def megatron_arch(self, hf: Any) -> dict[str, Any]:
         """DeepSeek-V3's multi-latent attention and sigmoid routing plus DeepSeek sparse attention's
         indexer (``megatron_dsa.py``)."""
