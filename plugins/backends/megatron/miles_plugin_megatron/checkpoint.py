@@ -12,7 +12,8 @@ part.
 
 Loading runs no code planted in a checkpoint: megatron-core's DCP reader goes through
 miles-safeload's allow-lists (``_safe_reads``), and its common part is read by ``torch.load``
-with torch's default ``weights_only=True``.
+with torch's default ``weights_only=True`` (megatron-core 0.16: a ``common.pt`` file; 0.19: an item
+of the DCP checkpoint, read through the same safe reader).
 """
 from __future__ import annotations
 
@@ -130,6 +131,7 @@ def _safe_reads() -> Iterator[list[SafeReader]]:
     """While it is open, megatron-core's torch_dist strategy reads checkpoints through SafeReaders
     (the list holds them, to tell what they refused). The strategy builds its own DCP reader, whose
     ``.metadata`` is a plain ``pickle.load``, through this one module function."""
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as strategy
     from miles import MilesError
 
@@ -137,17 +139,36 @@ def _safe_reads() -> Iterator[list[SafeReader]]:
         raise MilesError("this megatron-core no longer builds its checkpoint reader through "
                          "_get_filesystem_reader, so its checkpoints cannot be loaded safely; install "
                          "megatron-core 0.16 (pip install 'megatron-core>=0.16,<0.17')")
+    # megatron-core 0.19 reads the common part through DCP too, with serialization's own import of the function
+    modules = [m for m in (strategy, serialization) if callable(getattr(m, "_get_filesystem_reader", None))]
     made: list[SafeReader] = []
 
-    def reader(checkpoint_dir: Any, cache_metadata: bool = False) -> SafeReader:
+    # megatron-core 0.19 also passes the strategy's ``async_strategy``, which a SafeReader does not need
+    def reader(checkpoint_dir: Any, cache_metadata: bool = False, **_: Any) -> SafeReader:
         made.append(SafeReader(checkpoint_dir))  # it caches its metadata anyway
         return made[-1]
 
-    original, strategy._get_filesystem_reader = strategy._get_filesystem_reader, reader
+    originals = [(m, m._get_filesystem_reader) for m in modules]
+    for m in modules:
+        m._get_filesystem_reader = reader
     try:
         yield made
     finally:
-        strategy._get_filesystem_reader = original
+        for m, original in originals:
+            m._get_filesystem_reader = original
+
+
+def _safely(read: Any, *args: Any) -> Any:
+    """``read(*args)`` (a megatron-core checkpoint read) through SafeReaders, raising what one refused
+    rather than the exception DCP wraps it in."""
+    with _safe_reads() as readers:
+        try:
+            return read(*args)
+        except BaseException:
+            refused = next((r.refused for r in readers if r.refused), None)
+            if refused is None:
+                raise
+            raise refused from None
 
 
 def load(trainer: Any, path: str) -> None:
@@ -158,7 +179,7 @@ def load(trainer: Any, path: str) -> None:
     if not os.path.exists(os.path.join(path, MARK)):
         raise MilesError(f"{path} is not a megatron trainer checkpoint (no {MARK}); a checkpoint of "
                          f"another trainer cannot be resumed with trainer.name=megatron")
-    common = dist_checkpointing.load_common_state_dict(path)["common"]
+    common = _safely(dist_checkpointing.load_common_state_dict, path)["common"]
     if common["ref"] and trainer.ref is None:
         trainer.snapshot_reference()  # the target layout; its values come from the checkpoint
     if common["critic"] and hasattr(trainer, "build_critic"):  # else a run without critic resumes
@@ -167,14 +188,7 @@ def load(trainer: Any, path: str) -> None:
     draft = (bool(common.get("draft")) and trainer.draft is not None
              and common.get("draft_part", "draft.") == trainer.draft.checkpoint_part()[0])
     sd = _sharded(trainer, draft)
-    with _safe_reads() as readers:
-        try:
-            loaded = dist_checkpointing.load(sd, path)
-        except BaseException:  # DCP wraps what a reader refused in its own exception
-            refused = next((r.refused for r in readers if r.refused), None)
-            if refused is None:
-                raise
-            raise refused from None
+    loaded = _safely(dist_checkpointing.load, sd, path)
     with torch.no_grad():
         for prefix, model, optim in _parts(trainer, draft):
             weights = {k.removeprefix(prefix): v for k, v in loaded[prefix].items()}
