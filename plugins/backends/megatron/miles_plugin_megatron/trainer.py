@@ -97,11 +97,9 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
         if dtype is not None:
             self.compute = compute_.ComputeCopy(self.model, lambda: self._build(dtype=dtype))
         if cfg.compile and self.device.type == "cuda":
-            from megatron.core.transformer.transformer_layer import TransformerLayer
+            from .compiled import compile_layers
 
-            for m in self.policy_module().modules():
-                if isinstance(m, TransformerLayer):
-                    m.compile(dynamic=True)  # rows and lengths change every step: no recompiles
+            compile_layers(self.policy_module())
         self.ref: torch.nn.Module | None = None
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        weight_decay=cfg.weight_decay, fused=True)
