@@ -43,7 +43,8 @@ class MegatronConfig(QATSettings):
     compile: bool = Field(False, description="on CUDA, torch.compile each decoder layer of the "
                           "model that runs forward and backward: its norms, rotary embedding and "
                           "residual adds become fused kernels (the first steps take longer while "
-                          "they compile)")
+                          "they compile); MoE layers and gated DeltaNet's chunked rule stay eager, "
+                          "where dynamo would recompile per sequence length")
     lr: float = Field(1e-4, gt=0, description="AdamW peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
