@@ -93,6 +93,10 @@ class TorchEngine(WeightReceiver):
         # prompt indices of the running generate() to leave out from the next decode step on (the
         # server's scheduler adds those whose clients all left); the fast path reads it
         self.dropped: set[int] = set()
+        # the model's own forward (impl: hf) reads whether every row stopped every 16 decode steps on
+        # CUDA, so the host queues the next step while the GPU runs this one (rows that stopped
+        # decode a few wasted steps; their lengths stay right); every step on CPU, where it is free
+        self.check_every = 16 if self.device.type == "cuda" else 1
         # transformers 5.24 renamed past_key_values -> cache (the old name warns and goes in 5.40);
         # older releases only know past_key_values. The output attribute follows the same name.
         sig = inspect.signature(self.model.forward).parameters
@@ -285,7 +289,7 @@ class TorchEngine(WeightReceiver):
             tokens[:, t], logps[:, t] = tok, lp
             lengths += ~done
             done |= torch.isin(tok, stop)
-            if t + 1 == steps or bool(done.all()):
+            if t + 1 == steps or ((t + 1) % self.check_every == 0 and bool(done.all())):
                 break
             if self.interrupt.is_set():
                 aborted = True

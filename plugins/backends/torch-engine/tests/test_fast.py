@@ -142,6 +142,12 @@ def test_stop_tokens_and_continuous_batching(tok):
     params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[28, 42])
     stop = {28, 42, tok.eos_token_id}
     generic = make_engine(tok, impl="hf").generate(PROMPTS, params, n=2)
+    deferred = make_engine(tok, impl="hf")
+    deferred.check_every = 3  # as on CUDA: stopped rows decode on until the host looks
+    later = deferred.generate(PROMPTS, params, n=2)
+    assert tokens(later) == tokens(generic)
+    assert [[(c.finish_reason, c.logprobs) for c in g] for g in later] == \
+        [[(c.finish_reason, c.logprobs) for c in g] for g in generic]
     for slots in (3, 5, 64):
         eng = make_engine(tok, max_batch_size=slots)
         groups = eng.generate(PROMPTS, params, n=2)

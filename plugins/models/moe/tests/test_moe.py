@@ -24,7 +24,7 @@ def spec(config=QWEN, replay=True):
     return make_spec(MoESpecConfig(base={"name": "hf", "config": config}, routing_replay=replay))
 
 
-def rollout(config=QWEN, dtype="float32", seed=0):
+def rollout(config=QWEN, dtype="float32", seed=0, check_every=None, params=None):
     """(spec, engine, batch of 2 prompts x 2 samples with the engine's records and log-probs)."""
     from miles_plugin_torch_engine.config import TorchEngineConfig
     from miles_plugin_torch_engine.engine import TorchEngine
@@ -32,8 +32,9 @@ def rollout(config=QWEN, dtype="float32", seed=0):
     tok, s = tokenizer(), spec(config)
     torch.manual_seed(seed)
     engine = TorchEngine(TorchEngineConfig(dtype=dtype), spec=s, tokenizer=tok, seed=seed)
+    engine.check_every = check_every or engine.check_every
     prompts = [tok("12+34=")["input_ids"], tok("5+7=")["input_ids"]]
-    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6), n=2)
+    outs = engine.generate(prompts, params or SamplingParams(temperature=1.0, max_new_tokens=6), n=2)
     samples = [Sample(task=Task(prompt=""), prompt_ids=p, response_ids=c.token_ids, logprobs=c.logprobs,
                       loss_mask=[1] * len(c.token_ids), extensions=dict(c.extras))
                for p, cs in zip(prompts, outs) for c in cs]
@@ -70,6 +71,20 @@ def test_records_match_the_trainers_routing_and_replay_reproduces_the_engine(con
         lp = s.action_logprobs(model, batch)
     mask = batch.loss_mask.bool()
     assert (lp - batch.rollout_logprobs)[mask].abs().max() < 1e-4
+
+
+def test_records_are_the_same_when_the_engine_reads_its_stop_flags_less_often():
+    """On CUDA the engine looks at the rows' stop flags every few steps, so rows that stopped decode
+    on: their tokens, log-probs and routing records are those of an engine that looks every step."""
+    stops = [tokenizer()(c)["input_ids"][0] for c in "0123"]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=stops, seed=3)
+    _, _, every = rollout(check_every=1, params=params)
+    _, _, later = rollout(check_every=5, params=params)
+    lengths = [len(smp.response_ids) for smp in every.samples]
+    assert min(lengths) < max(lengths) and max(lengths) < 12, lengths  # rows stop early, at different steps
+    for a, b in zip(every.samples, later.samples):
+        assert a.response_ids == b.response_ids and a.logprobs == b.logprobs
+        assert torch.equal(a.extensions["moe"]["routed_experts"], b.extensions["moe"]["routed_experts"])
 
 
 def test_a_wrong_replay_changes_the_output():
