@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
-from miles.testing import char_tokenizer, server_url, start_server
+from miles.testing import char_tokenizer, fit_answers, server_url, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-openai-key"
@@ -46,27 +46,8 @@ def train_tool_caller(tok):
     as a Qwen2 tokenizer whose byte-level pre-tokenizer drops them."""
     prompt = tok.encode(tok.apply_chat_template(QUESTION, tools=TOOLS, tokenize=False,
                                                 add_generation_prompt=True), add_special_tokens=False)
-    ids = torch.tensor([prompt + tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]])
-    labels = ids.clone()
-    labels[0, :len(prompt)] = -100
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only contend
-    try:
-        model = random_model(tok)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        # decayed to 0: a constant rate this high can oscillate around the fit instead of settling
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / 400)
-        for _ in range(400):
-            loss = model(input_ids=ids, labels=labels).loss
-            if loss.item() < 0.005:
-                break
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-    finally:
-        torch.set_num_threads(threads)
-    return model.eval()
+    ids = prompt + tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
+    return fit_answers(random_model(tok), [(ids, len(prompt))], tok.pad_token_id, decay=True)
 
 
 @pytest.fixture(scope="module")

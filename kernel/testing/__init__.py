@@ -183,9 +183,11 @@ def served(folder: Any, *args: str, timeout: float = 180) -> Iterator[str]:
 
 
 def fit_answers(model: Any, rows: Sequence[tuple[list[int], int]], pad_id: int, steps: int = 400,
-                lr: float = 1e-2) -> Any:
+                lr: float = 1e-2, decay: bool = False) -> Any:
     """Train a tiny causal LM until it answers by heart: ``rows`` are ``(token ids, prompt length)``;
-    only the tokens after the prompt are learnt (a few seconds on one thread). Returns it in eval mode."""
+    only the tokens after the prompt are learnt (a few seconds on one thread). ``decay``: the rate
+    falls linearly to 0 over ``steps`` (a high constant rate can oscillate around a long fit).
+    Returns it in eval mode."""
     import torch
 
     width = max(len(ids) for ids, _ in rows)
@@ -198,6 +200,7 @@ def fit_answers(model: Any, rows: Sequence[tuple[list[int], int]], pad_id: int, 
     torch.set_num_threads(1)  # a tiny model: more threads only contend
     try:
         opt = torch.optim.Adam(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps if decay else 1.0)
         for _ in range(steps):
             loss = model(input_ids=ids, labels=labels).loss
             if loss.item() < 0.005:
@@ -205,6 +208,7 @@ def fit_answers(model: Any, rows: Sequence[tuple[list[int], int]], pad_id: int, 
             opt.zero_grad()
             loss.backward()
             opt.step()
+            sched.step()
     finally:
         torch.set_num_threads(threads)
     return model.eval()
