@@ -146,12 +146,12 @@ class SpecGenerator(FastGenerator):
         self._bucketed = drafter.reads_length or not fwd.use_triton
         # device buffers the graphed step reads and writes in place, kept across generate calls:
         # row-steps, tokens emitted and drafts accepted (drained by the engine); per cache row the
-        # verify steps that emitted and the drafts accepted since it joined; the rows' tokens,
-        # log-probs, counts and flags (``_Rows``); the token budget; the stop ids (-1 padded)
+        # verify steps that emitted and the drafts accepted since it joined ([2, slots]); the rows'
+        # tokens, log-probs, counts and flags (``_Rows``); the token budget; the stop ids (-1 padded)
         dev = fwd.device
         self.counts = torch.zeros(3, dtype=torch.long, device=dev)
         self._drains = 0
-        self.row_steps = self.row_accepted = torch.zeros(0, dtype=torch.long, device=dev)
+        self.row_counts = torch.zeros((2, 0), dtype=torch.long, device=dev)
         self._rows: tuple = ()
         self._budget = torch.zeros((), dtype=torch.long, device=dev)
         self._stops = torch.full((8,), -1, dtype=torch.long, device=dev)
@@ -178,12 +178,10 @@ class SpecGenerator(FastGenerator):
     def _size_cache(self, prompts, steps: int, n: int) -> None:
         super()._size_cache(prompts, steps + self.k + 1, n)  # a block writes k past the last token
         f, dev, width = self.fwd, self.fwd.device, steps + self.k + 1  # a block's tokens past any count
-        if self.row_steps.shape[0] != f.slots:
-            self.row_steps, self.row_accepted = torch.zeros((2, f.slots), dtype=torch.long, device=dev)
+        if self.row_counts.shape[1] != f.slots:
+            self.row_counts = torch.zeros((2, f.slots), dtype=torch.long, device=dev)
         if not self._rows or self._rows[0].shape[0] != f.slots or self._rows[0].shape[1] < width:
-            self._rows = (torch.zeros((f.slots, width), dtype=torch.long, device=dev),
-                          torch.zeros((f.slots, width), dtype=torch.float32, device=dev),
-                          *(torch.zeros(f.slots, dtype=dt, device=dev) for dt in (torch.long, torch.long, torch.bool)))
+            self._rows = _Rows(f.slots, width, dev).device_buffers()
         self._hi = 0
         self.drafter.allocate(f)
         self._prepare_graphs()
@@ -193,12 +191,12 @@ class SpecGenerator(FastGenerator):
         f, run = self.fwd, self.runner
         self.graphs.prepare((f.weights_signature(), f.slots, f.max_len, f.k_cache.data_ptr(), run.tok.data_ptr(),
                              run.pos.data_ptr(), self.drafter.signature(), self._rows[0].data_ptr(),
-                             self.row_steps.data_ptr(), self._stops.data_ptr()), f.slots, 2 * self.k + 1)
+                             self.row_counts.data_ptr(), self._stops.data_ptr()), f.slots, 2 * self.k + 1)
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         """What a step advances in place, besides cache positions it rewrites before reading."""
-        return (*self.rows.device_buffers(), self.runner.tok, self.runner.pos, self.counts, self.row_steps,
-                self.row_accepted, *self.drafter.state())
+        return (*self.rows.device_buffers(), self.runner.tok, self.runner.pos, self.counts, self.row_counts,
+                *self.drafter.state())
 
     def _new_rows(self, slots: int, steps: int, device: torch.device) -> _Rows:
         """The kept row buffers, every row free: a free row counts as finished, so the graph's
@@ -214,8 +212,7 @@ class SpecGenerator(FastGenerator):
         rows.count.zero_()
         rows.length.zero_()
         rows.done.fill_(True)
-        self.row_steps.zero_()
-        self.row_accepted.zero_()
+        self.row_counts.zero_()
         return rows
 
     def _refresh(self) -> None:
@@ -264,11 +261,9 @@ class SpecGenerator(FastGenerator):
             dev = self.fwd.device
             dst, src = torch.tensor(holes, device=dev), torch.tensor(movers, device=dev)
             self.drafter.move(dst, src, self._need(live, t))
-            self.row_accepted[dst] = self.row_accepted[src]
-            self.row_steps[dst] = self.row_steps[src]
+            self.row_counts[:, dst] = self.row_counts[:, src]
         left = super()._retire(rows, live, t)
-        self.row_accepted[left:live] = 0  # free rows: the next ones to join start from zero
-        self.row_steps[left:live] = 0
+        self.row_counts[:, left:live] = 0  # free rows: the next ones to join start from zero
         self.rows.done[left:live] = True  # and count as finished (``_new_rows``)
         self._attach_counts(counts)
         return left
@@ -284,7 +279,7 @@ class SpecGenerator(FastGenerator):
         if not rows:
             return []
         idx = torch.tensor(rows, device=self.fwd.device)
-        steps, accepted = torch.stack([self.row_steps[idx], self.row_accepted[idx]]).tolist()
+        steps, accepted = self.row_counts[:, idx].tolist()
         return [(self.rows.owner[row], spec_counts(s, a, self.k)) for row, s, a in zip(rows, steps, accepted)]
 
     def _attach_counts(self, counts: list[tuple[tuple[int, int], dict[str, int]]]) -> None:
@@ -329,8 +324,7 @@ class SpecGenerator(FastGenerator):
         run.pos[:size] += n
         accepted = accepted * emitted
         self.counts += torch.stack([emitted.sum(), n.sum(), accepted.sum()])
-        self.row_accepted[:size] += accepted
-        self.row_steps[:size] += emitted
+        self.row_counts[:, :size] += torch.stack([emitted.long(), accepted])
         return ()
 
     def _decode(self, live: int, t: int) -> None:
