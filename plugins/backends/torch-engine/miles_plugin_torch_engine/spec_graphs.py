@@ -30,12 +30,12 @@ from .cuda_graphs import batch_buckets, capture_graph
 
 log = logging.getLogger(__name__)
 
-Step = Callable[[int, "int | None", "torch.Tensor | None"], tuple]
+Step = Callable[[int, "int | None", "torch.Tensor | None"], None]
 
 
 class SpecGraphs:
-    """The speculative step ``step(size, length, u) -> tensors`` over rows ``[0, size)``, replayed
-    from CUDA graphs (one per row bucket, length key and sampling mode)."""
+    """The speculative step ``step(size, length, u)`` over rows ``[0, size)``, which advances its
+    state in place, replayed from CUDA graphs (one per row bucket, length key and sampling mode)."""
 
     def __init__(self, device: torch.device, use_graphs: bool, state: Callable[[], Sequence[torch.Tensor]] = tuple):
         """``state``: the tensors a step advances in place; a capture's warm-up run is undone on them."""
@@ -46,8 +46,6 @@ class SpecGraphs:
         self._pool = None
         self._key: tuple = ()
         self.u: torch.Tensor | None = None
-        self.out: list[torch.Tensor] = []
-        self.slots = 0
         self._buckets: list[int] = []
 
     def prepare(self, key: tuple, slots: int, uniforms: int) -> None:
@@ -57,15 +55,15 @@ class SpecGraphs:
             return
         self._graphs.clear()
         self._pool = None  # a pool whose graphs are gone takes no new captures
-        self._key, self.slots, self.out = key, slots, []
+        self._key = key
         self._buckets = batch_buckets(slots)
         if self.use_graphs:
             self.u = torch.zeros((slots, uniforms), dtype=torch.float32, device=self.device)
 
     def step(self, body: Step, live: int, length_key: int, length: int, mode: tuple,
-             gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-        """``body``'s outputs for rows ``[0, live)``, from the graph of ``live``'s bucket (captured
-        the first time it is needed); ``mode`` keys the sampling parameters ``body`` reads."""
+             gen: torch.Generator) -> None:
+        """``body`` over rows ``[0, live)``, from the graph of ``live``'s bucket (captured the first
+        time it is needed); ``mode`` keys the sampling parameters ``body`` reads."""
         size = self._buckets[bisect.bisect_left(self._buckets, live)]
         graph_key = (size, length_key, mode)
         graph = self._graphs.get(graph_key)
@@ -76,19 +74,15 @@ class SpecGraphs:
                 log.warning("speculative step: CUDA graph capture failed (%s); running it eagerly", e)
                 self.use_graphs = False
                 self._graphs.clear()
-                return body(live, None, None)
+                body(live, None, None)
+                return
         if mode != ("greedy",):
             self.u[:size].uniform_(generator=gen)
         graph.replay()
-        return tuple(o[:live] for o in self.out)
 
     def _capture(self, body: Step, size: int, length: int) -> torch.cuda.CUDAGraph:
         def run() -> None:
-            outs = body(size, length, self.u[:size])
-            if not self.out:  # first capture: fixed output buffers of every row
-                self.out = [torch.empty((self.slots, *o.shape[1:]), dtype=o.dtype, device=o.device) for o in outs]
-            for dst, src in zip(self.out, outs):
-                dst[:size].copy_(src)
+            body(size, length, self.u[:size])
 
         saved = [t.clone() for t in self.state()]
 

@@ -286,7 +286,7 @@ class SpecGenerator(FastGenerator):
         for (i, j), c in counts:
             self.out[i][j].extras[EXTRAS_KEY] = c
 
-    def _advance(self, size: int, length: int | None, u: torch.Tensor | None) -> tuple:
+    def _advance(self, size: int, length: int | None, u: torch.Tensor | None) -> None:
         """One speculative step of rows ``[0, size)``, all on the device: drafts, the verify block,
         rejection sampling, and the rows' tokens, log-probs, counts, flags, positions and the
         draft's state advanced in place. ``length`` / ``u``: the attention length bucket and the
@@ -325,7 +325,6 @@ class SpecGenerator(FastGenerator):
         accepted = accepted * emitted
         self.counts += torch.stack([emitted.sum(), n.sum(), accepted.sum()])
         self.row_counts[:, :size] += torch.stack([emitted.long(), accepted])
-        return ()
 
     def _decode(self, live: int, t: int) -> None:
         if self.graphs.use_graphs:
