@@ -94,9 +94,9 @@ class GlmMoeDsa(_SigmoidRouted):
         class NextN(nextn_layer(m.GlmMoeDsaDecoderLayer, m.GlmMoeDsaRMSNorm)):
             def __init__(self, config: Any, layer_idx: int):
                 config = copy.copy(config)
-                extra = layer_idx + 1 - len(config.mlp_layer_types)
-                config.mlp_layer_types = [*config.mlp_layer_types, *["sparse"] * extra]
-                config.indexer_types = [*config.indexer_types, *["full"] * (layer_idx + 1 - len(config.indexer_types))]
+                for key, kind in (("mlp_layer_types", "sparse"), ("indexer_types", "full")):
+                    kinds = getattr(config, key)
+                    setattr(config, key, [*kinds, *[kind] * (layer_idx + 1 - len(kinds))])
                 super().__init__(config, layer_idx)
 
         return attach_nextn(model, NextN, folder)
