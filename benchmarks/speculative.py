@@ -13,14 +13,17 @@ into multi-turn calculator calls (``<tool_call>...</tool_call>``, the tool's out
 the format a frozen head learned at the warm start is mostly not what the policy writes later.
 
 ``--decode``: the engine alone, decode tokens/s with and without speculation at batch 1, 8, 64
-and 256 (greedy, ``--new-tokens`` each), with a head first trained on the model's own greedy
+and 256 (greedy, or ``--temperature``, ``--new-tokens`` each), with a head first trained on the model's own greedy
 continuations; ``--device cuda`` runs the 0.5B (Qwen2-0.5B) shape there. ``--decode --mtp``: the
 same for the ``mtp`` draft on the model's own forward, a DeepSeek-V3-shaped model (MLA, MoE) whose
-MTP layer is first trained (``miles_mtp.train``) on its own greedy continuations.
+MTP layer is first trained (``miles_mtp.train``) on its own greedy continuations. A random model's
+text is hard to predict; ``--text-steps N`` first trains the target N steps on Python's standard
+library source (byte-level), so the draft predicts a trained model's text, and prints a sample.
 
     python benchmarks/speculative.py [--recipe arith|tool_use] [--steps N] [--warm-start N] [--quick]
                                      [--out runs/bench_spec] [--max-batch 4096] [--kinds none frozen online]
     python benchmarks/speculative.py --decode [--mtp] [--device cpu|cuda] [--new-tokens 64] [--tokens 3]
+                                     [--text-steps 400] [--temperature 0]
 """
 from __future__ import annotations
 
@@ -166,15 +169,20 @@ def decode_table(args) -> None:
         model, spec_ = mtp_model(args)
         cfg = model.config
     else:
-        cfg = Qwen2Config(**SHAPES[args.device], max_position_embeddings=512, tie_word_embeddings=True)
+        shape = {**SHAPES[args.device], **({"vocab_size": max(257, SHAPES[args.device]["vocab_size"])}
+                                           if args.text_steps else {})}
+        cfg = Qwen2Config(**shape, max_position_embeddings=512, tie_word_embeddings=True)
         model, spec_ = Qwen2ForCausalLM(cfg).to(args.device), Spec()
     base = {"device": args.device, "dtype": "bfloat16" if dtype == torch.bfloat16 else "float32"}
     plain = TorchEngine(TorchEngineConfig.model_validate(base), spec=spec_, tokenizer=Tok())
     draft = "mtp" if args.mtp else "head"
-    greedy = SamplingParams(0.0, 1.0, 0, args.new_tokens, [])
+    params = SamplingParams(args.temperature, 1.0, 0, args.new_tokens, [])
     teach = SamplingParams(0.0, 1.0, 0, args.train_tokens or args.new_tokens, [])
     g = torch.Generator().manual_seed(1)
     prompt = lambda: torch.randint(1, cfg.vocab_size, (8,), generator=g).tolist()  # noqa: E731
+    if args.text_steps:  # a trained target: its text, and so its draft's acceptance, is a trained model's
+        held_out = train_on_text(model, args)
+        prompt = lambda: text_ids(held_out, int(torch.randint(len(held_out) - 32, (1,), generator=g)), 32)  # noqa: E731
     # the head learns the model's own greedy continuations (a random model's text is its policy)
     if args.mtp:  # the engine holds the model itself (Spec returns it): the layer it drafts with learns
         from miles_mtp.train import MTPTraining
@@ -193,6 +201,10 @@ def decode_table(args) -> None:
             print(f"  step {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
     loss = metrics.get("mtp_loss" if args.mtp else "draft_loss", 0)
     print(f"{draft} trained {args.head_steps} steps: loss {loss:.3f}")
+    if args.text_steps:  # what the target writes, to judge the acceptance by
+        first = prompt()
+        out = plain.generate([first], params, n=1)[0][0].token_ids
+        print("sample: " + repr(bytes(t - 1 for t in first + out if 0 < t <= 256).decode(errors="replace")))
     for k in args.tokens:  # one trained draft, a table per number of draft tokens
         spec = TorchEngine(TorchEngineConfig.model_validate({**base, "speculative": {
             "draft": draft, "tokens": k, "max_batch": 1 << 20}}), spec=spec_, tokenizer=Tok())
@@ -202,42 +214,81 @@ def decode_table(args) -> None:
         print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'accept len':>11} {'auto':>6}")
         for b in args.batches:
             prompts = [prompt() for _ in range(b)]
-            timed = {name: tokens_per_s(engine, prompts, greedy, args)
+            timed = {name: tokens_per_s(engine, prompts, params, args)
                      for name, engine in (("plain", plain), ("spec", spec), ("auto", auto))}
             accept = spec.step_metrics().get("spec_accept_len", 0.0)
             print(f"{b:>5} {timed['plain']:>12,.0f} {timed['spec']:>11,.0f} {timed['spec'] / timed['plain']:>8.2f}x "
                   f"{accept:>11.2f} {timed['auto'] / timed['plain']:>5.2f}x")
         if args.profile and args.device == "cuda":
-            profile_steps(plain, spec, [prompt() for _ in range(args.batches[0])], greedy)
+            profile_steps(plain, spec, [prompt() for _ in range(args.batches[0])], params)
         del spec, auto
 
 
-def tokens_per_s(engine, prompts: list, greedy, args) -> float:
+def text_ids(data: bytes, start: int, n: int) -> list[int]:
+    """Byte-level token ids (byte + 1; id 0 is padding) of ``data[start:start + n]``."""
+    return [b + 1 for b in data[start:start + n]]
+
+
+def train_on_text(model, args) -> bytes:
+    """Train ``model`` from its random init ``--text-steps`` steps of next-byte prediction (AdamW,
+    bf16 autocast on CUDA, 16 x 256 bytes a step) on the top-level modules of Python's standard
+    library, a real text every machine running this has; returns the held-out tenth the prompts
+    come from."""
+    import sysconfig
+
+    import torch
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    data = b"\n".join(p.read_bytes() for p in files)
+    cut = len(data) * 9 // 10
+    train, held_out = data[:cut], data[cut:]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.text_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(1, args.text_steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    g = torch.Generator().manual_seed(2)
+    model.train()
+    for step in range(args.text_steps):
+        starts = torch.randint(len(train) - 257, (16,), generator=g).tolist()
+        ids = torch.tensor([text_ids(train, s, 257) for s in starts], device=args.device)
+        with torch.autocast("cuda", torch.bfloat16, enabled=args.device == "cuda"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+        if step % 100 == 99 or step == args.text_steps - 1:
+            print(f"  text step {step + 1}: loss {loss.item():.3f} nats/byte", flush=True)
+    model.eval()
+    del opt
+    print(f"target trained {args.text_steps} steps on {len(train) / 1e6:.1f} MB of Python source")
+    return held_out
+
+
+def tokens_per_s(engine, prompts: list, params, args) -> float:
     """The median of ``args.repeats`` timed generate calls after a warm-up (caches, graphs)."""
     import torch
 
-    engine.generate(prompts, greedy, n=1)
+    engine.generate(prompts, params, n=1)
     engine.step_metrics()
     times = []
     for _ in range(args.repeats):  # the median: other processes share the cores
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.generate(prompts, greedy, n=1)
+        engine.generate(prompts, params, n=1)
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return len(prompts) * args.new_tokens / sorted(times)[len(times) // 2]
 
 
-def profile_steps(plain, spec, prompts: list, greedy) -> None:
+def profile_steps(plain, spec, prompts: list, params) -> None:
     """The GPU kernels of one generate call, plain and speculative: where a speculative step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     for name, engine in (("plain", plain), ("spec", spec)):
-        engine.generate(prompts, greedy, n=1)
+        engine.generate(prompts, params, n=1)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.generate(prompts, greedy, n=1)
+            engine.generate(prompts, params, n=1)
         print(f"-- {name}, {len(prompts)} rows: GPU kernels")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
@@ -267,6 +318,11 @@ def main() -> None:
     ap.add_argument("--head-steps", type=int, default=150)
     ap.add_argument("--head-lr", type=float, default=2e-3, help="--decode: the draft's learning rate")
     ap.add_argument("--head-batch", type=int, default=32, help="--decode: the head's training prompts per step")
+    ap.add_argument("--text-steps", type=int, default=0, help="--decode: first train the target this many steps "
+                    "on Python's standard library source (byte-level); prompts are held-out source")
+    ap.add_argument("--text-lr", type=float, default=6e-4, help="--decode: the target's learning rate on that text")
+    ap.add_argument("--temperature", type=float, default=0.0, help="--decode: the timed calls' sampling "
+                    "temperature (0: greedy)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mtp", action="store_true", help="--decode with the mtp draft (a DeepSeek-V3 shape)")
