@@ -28,13 +28,14 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device) -> tuple[torch
             torch.tensor(mask, dtype=torch.long, device=device))
 
 
-def _repeat_cache(cache: Any, n: int, rows: int) -> Any:
+def _repeat_cache(cache: Any, n: int, rows: int, device: Any = None) -> Any:
     """The prefilled cache with every row repeated ``n`` times (samples of a prompt are adjacent)."""
     if n == 1:
         return cache
     if hasattr(cache, "reorder_cache"):  # transformers Cache objects (in place), every layer kind:
         # attention keys/values, linear-attention conv and recurrent states, compressor buffers
-        cache.reorder_cache(torch.arange(rows).repeat_interleave(n))
+        # built on the cache's device: each layer would otherwise copy it from the host
+        cache.reorder_cache(torch.arange(rows, device=device).repeat_interleave(n))
         return cache
     # legacy tuple-of-(key, value) caches of custom models
     return tuple(tuple(t.repeat_interleave(n, dim=0) for t in layer) for layer in cache)
@@ -271,13 +272,17 @@ class TorchEngine(WeightReceiver):
             return [Completion([], [], reason, self.weight_version) for _ in range(len(prompts) * n)]
         ids, mask = _left_pad(prompts, self.pad_id, self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self._forward(ids, mask, pos, **self._keep_last)
-        cache = _repeat_cache(getattr(out, self._cache_kw), n, ids.shape[0])
+        # prompts of one length pad nothing: without a mask transformers' mask builders skip the
+        # host read of whether every mask entry is 1, once per forward (as generate drops an all-ones mask)
+        padded = len({len(p) for p in prompts}) > 1
+        out = self._forward(ids, mask if padded else None, pos, **self._keep_last)
+        cache = _repeat_cache(getattr(out, self._cache_kw), n, ids.shape[0], self.device)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         rows, width = ids.shape[0] * n, ids.shape[1]
-        # the mask only ever grows by ones, so preallocate it and hand the model a growing view
-        full_mask = mask.new_ones((rows, width + steps))
-        full_mask[:, :width] = mask.repeat_interleave(n, dim=0)
+        full_mask = None
+        if padded:  # the mask only ever grows by ones, so preallocate it and hand the model a growing view
+            full_mask = mask.new_ones((rows, width + steps))
+            full_mask[:, :width] = mask.repeat_interleave(n, dim=0)
         pos = pos[:, -1:].repeat_interleave(n, dim=0)
         tokens = torch.empty((rows, steps), dtype=torch.long, device=self.device)
         logps = torch.empty((rows, steps), dtype=torch.float32, device=self.device)
@@ -295,7 +300,7 @@ class TorchEngine(WeightReceiver):
                 aborted = True
                 break
             pos = pos + 1
-            out = self._forward(tok[:, None], full_mask[:, :width + t + 1], pos, cache)
+            out = self._forward(tok[:, None], None if full_mask is None else full_mask[:, :width + t + 1], pos, cache)
             logits = out.logits[:, -1]
         return self._completions(tokens[:, :t + 1], logps[:, :t + 1], lengths, done, aborted)
 

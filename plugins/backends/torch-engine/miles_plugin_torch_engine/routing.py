@@ -37,9 +37,9 @@ class RoutingLog:
             comps = chunk(prompts, n, *args)
         forwards = self.recorder.take()
         if forwards:
-            fed = torch.tensor([max(len(c.token_ids) - 1, 0) for c in comps])
+            fed = [max(len(c.token_ids) - 1, 0) for c in comps]
             # decode t feeds response token t: a row keeps it while t < its fed count
-            self._attach(comps, prompts, n, forwards, [(t < fed).long() for t in range(len(forwards) - 1)])
+            self._attach(comps, prompts, n, forwards, [[int(t < f) for f in fed] for t in range(len(forwards) - 1)])
         return comps
 
     def run_verified(self, chunk: Callable[..., list[Completion]], prompts: Sequence[Sequence[int]], n: int,
@@ -55,11 +55,12 @@ class RoutingLog:
             if len(forwards) != len(kept) + 1:
                 raise RuntimeError(f"routing log: {len(forwards) - 1} verify forwards recorded, "
                                    f"{len(kept)} steps reported")
-            self._attach(comps, prompts, n, forwards, [c.cpu() for c in kept])
+            # one device-to-host read of every step's counts
+            self._attach(comps, prompts, n, forwards, torch.stack(kept).tolist() if kept else [])
         return comps
 
     def _attach(self, comps: list[Completion], prompts: Sequence[Sequence[int]], n: int,
-                forwards: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+                forwards: list[torch.Tensor], kept: list[list[int]]) -> None:
         """Each completion's record: its prompt's rows of the prefill ``forwards[0]`` (the prompts
         left-padded to one width), then the first ``kept[s][row]`` positions of step ``s``'s forward."""
         width = max(len(p) for p in prompts)
@@ -68,7 +69,7 @@ class RoutingLog:
         key = self.recorder.extension
         for r, comp in enumerate(comps):
             p = len(prompts[r // n])
-            rows = [prefill[r // n, width - p:]] + [f[r, :int(c[r])] for f, c in zip(steps, kept)]
+            rows = [prefill[r // n, width - p:]] + [f[r, :c[r]] for f, c in zip(steps, kept)]
             record = torch.cat(rows).contiguous()
             if record.shape[0] != p + max(len(comp.token_ids) - 1, 0):
                 raise RuntimeError(f"routing log: {record.shape[0]} routed rows for a prompt of {p} and "

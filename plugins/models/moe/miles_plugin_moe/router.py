@@ -56,7 +56,11 @@ class RoutingState:
         L = self.num_layers
         if len(log) % L:
             raise RuntimeError(f"routing log holds {len(log)} router calls, not a multiple of {L} layers")
-        return [torch.stack(log[i:i + L], dim=1).cpu() for i in range(0, len(log), L)]
+        forwards = [torch.stack(log[i:i + L], dim=1) for i in range(0, len(log), L)]
+        if not forwards:
+            return []
+        # one device-to-host copy for the whole call: each copy waits for the device
+        return list(torch.cat(forwards).cpu().split([f.shape[0] for f in forwards]))
 
 
 class RouterHook:
