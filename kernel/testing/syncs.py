@@ -112,11 +112,11 @@ class SyncCounter:
 
 
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, counter: SyncCounter):
+    def __init__(self, counter: SyncCounter) -> None:
         super().__init__()
         self.counter = counter
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         packet = func.overloadpacket
         kind = _ALWAYS.get(packet)
@@ -132,14 +132,14 @@ class _Dispatch(TorchDispatchMode):
 
 
 class _Function(TorchFunctionMode):
-    def __init__(self, counter: SyncCounter):
+    def __init__(self, counter: SyncCounter) -> None:
         super().__init__()
         self.counter = counter
         # the result of the last call if it was a counted copy to the host: ``x.cpu().tolist()`` is one
         # copy (a CPU tensor's ``cpu()`` returns itself, so only the very next call can be told apart)
         self.fetched: weakref.ref | None = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         kind = _D2H_METHODS.get(func)
         if kind is None and func is torch.Tensor.to and _to_cpu(args, kwargs):
