@@ -7,16 +7,19 @@ fp8 * weight_scale_inv`` blockwise). Mixture-of-experts blocks that keep their e
 tensors (``experts.gate_up_proj [experts, 2 * inter, hidden]``, ``experts.down_proj [experts,
 hidden, inter]``) are quantized per expert the same way, with Hugging Face's expert naming
 (``experts.gate_up_proj_scale_inv [experts, out blocks, in blocks]``); the fused gate/up tensor is
-blocked per half, as a checkpoint of separate gate and up weights is. GEMMs (``engine.fp8_gemm``):
-``scaled_mm`` runs them as FP8 GEMMs (``torch._scaled_mm``) with the activations quantized per
-token and 128-column group (1x128 e4m3, the layout of blockwise FP8 inference in DeepSeek-V3 and
-SGLang), one GEMM per 128-column group of the weight with rowwise scales; ``dequantized`` runs them
-on the weights dequantized to the activations' dtype (weight-only FP8). Embeddings, norms, routers and the output
-head stay in the engine's dtype, as in FP8 checkpoints. Weights that arrive already quantized (an
-fp8 tensor and its ``*_scale_inv``) are taken as they are.
+blocked per half, as a checkpoint of separate gate and up weights is. Linear GEMMs
+(``engine.fp8_gemm``): ``scaled_mm`` runs them as FP8 GEMMs (``torch._scaled_mm``) with the
+activations quantized per token and 128-column group (1x128 e4m3, the layout of blockwise FP8
+inference in DeepSeek-V3 and SGLang), one GEMM per 128-column group of the weight with rowwise
+scales; ``dequantized`` runs them on the weights dequantized to the activations' dtype (weight-only
+FP8). Experts are weight-only in either mode, as the trainer rounds them: all their weights
+dequantized at once per forward, then the model's own experts forward. Embeddings, norms, routers
+and the output head stay in the engine's dtype, as in FP8 checkpoints. Weights that arrive already
+quantized (an fp8 tensor and its ``*_scale_inv``) are taken as they are.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
@@ -40,13 +43,11 @@ class _Quantized(torch.nn.Module):
     HALVES: dict[str, int] = {}
     gemm = "dequantized"
 
-    def matmul(self, x: torch.Tensor, attr: str, index: int | None = None) -> torch.Tensor:
-        """``x @ W.T`` for the FP8 weight ``attr`` (expert ``index`` of 3-D expert weights)."""
+    def matmul(self, x: torch.Tensor, attr: str) -> torch.Tensor:
+        """``x @ W.T`` for the 2-D FP8 weight ``attr``."""
         if self.gemm != "scaled_mm":
-            return F.linear(x, self.dequantized(attr, x.dtype, index))
+            return F.linear(x, self.dequantized(attr, x.dtype))
         q, s = getattr(self, attr), getattr(self, attr + "_scale_inv")
-        if index is not None:
-            q, s = q[index], s[index]
         halves = self.HALVES[attr]
         if halves == 1:
             return fp8_linear(x, q, s)
@@ -67,10 +68,9 @@ class _Quantized(torch.nn.Module):
     def quantize_into(self, attr: str, w: torch.Tensor) -> None:
         self._store(attr, w.to(getattr(self, attr).device))
 
-    def dequantized(self, attr: str, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+    def dequantized(self, attr: str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight ``attr`` (every expert of 3-D expert weights) in ``dtype``, one op."""
         q, s = getattr(self, attr), getattr(self, attr + "_scale_inv")
-        if index is not None:
-            q, s = q[index], s[index]
         return dequantize_blockwise(q, s, dtype, halves=self.HALVES[attr])
 
 
@@ -96,15 +96,25 @@ class FP8Linear(_Quantized):
 class FP8Experts(_Quantized):
     """A mixture-of-experts block's experts (Qwen3-MoE / Mixtral layout: fused gate/up, then
     down, no biases) with per-expert blockwise e4m3 weights; same call as the module it replaces:
-    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
+
+    Weight-only in either ``gemm`` mode, as the trainer's ``miles_lowp.linear.RoundedExperts``
+    computes: each forward dequantizes every expert's weights at once to the activations' dtype
+    and runs the replaced module's own forward on them (its routing and GEMMs, whichever
+    transformers experts implementation it dispatches to)."""
 
     HALVES = {"gate_up_proj": 2, "down_proj": 1}
 
     def __init__(self, experts: torch.nn.Module):
         super().__init__()
-        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        self.num_experts = experts.num_experts
         for attr in self.HALVES:
             self._store(attr, getattr(experts, attr))
+        # a shallow copy without the full-precision weights (the forward passes the dequantized
+        # ones); not a child module, so the engine's weight names stay the quantized buffers
+        inner = copy.copy(experts)
+        inner._parameters = {k: v for k, v in experts._parameters.items() if k not in self.HALVES}
+        object.__setattr__(self, "inner", inner)
 
     @staticmethod
     def fits(module: torch.nn.Module) -> bool:
@@ -118,14 +128,9 @@ class FP8Experts(_Quantized):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        dtype = hidden_states.dtype
-        for e in top_k_index.unique().tolist():
-            token, slot = torch.where(top_k_index == e)
-            gate, up = self.matmul(hidden_states[token], "gate_up_proj", e).chunk(2, dim=-1)
-            h = self.matmul(self.act_fn(gate) * up, "down_proj", e)
-            out.index_add_(0, token, (h * top_k_weights[token, slot, None]).to(dtype))
-        return out
+        weights = {a: self.dequantized(a, hidden_states.dtype) for a in self.HALVES}
+        return torch.func.functional_call(self.inner, weights, (hidden_states, top_k_index, top_k_weights),
+                                          strict=False)
 
 
 def convert(model: torch.nn.Module, gemm: str = "dequantized") -> dict[str, tuple[_Quantized, str]]:

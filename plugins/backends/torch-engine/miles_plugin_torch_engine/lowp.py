@@ -5,9 +5,13 @@
   (``<weight>_scale``), symmetric, as ``trainer.qat: int4`` rounds them in its forward; on CUDA
   a Triton W4A16 GEMM reads them packed (``w4a16.py``), elsewhere they are dequantized to the
   activations' dtype first.
-* ``mxfp8``: ``<weight>`` in e4m3 with ``<weight>_scale`` E8M0 bytes per 32 weights of a row; the
-  activations are rounded to MXFP8 too and the product taken in float32, exactly as
+* ``mxfp8``: ``<weight>`` in e4m3 with ``<weight>_scale`` E8M0 bytes per 32 weights of a row; a
+  linear layer's activations are rounded to MXFP8 too and the product taken in float32, exactly as
   ``trainer.precision: mxfp8`` computes (emulated: Hopper and CPUs have no MX tensor cores).
+
+3-D expert weights are weight-only in both formats, as the trainer rounds them
+(``miles_lowp.linear.RoundedExperts``): :class:`FP8Experts`' forward, with this format's
+dequantization.
 
 Weights arrive from the trainer either packed (its names above, as a QAT or MXFP8 trainer sends
 them) or in full precision (quantized on arrival). The numerics are ``miles_lowp``'s.
@@ -50,24 +54,24 @@ class _Format:
     def quantize_into(self, attr: str, w: torch.Tensor) -> None:
         self._store(attr, w.to(getattr(self, self._names(attr)[0]).device))
 
-    def _parts(self, attr: str, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _parts(self, attr: str) -> tuple[torch.Tensor, torch.Tensor]:
         q, s = (getattr(self, n) for n in self._names(attr))
-        return (q, s) if index is None else (q[index], s[index])
+        return q, s
 
-    def dequantized(self, attr: str, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
-        q, s = self._parts(attr, index)
+    def dequantized(self, attr: str, dtype: torch.dtype) -> torch.Tensor:
+        q, s = self._parts(attr)
         return i4.dequantize_packed(q, s, dtype=dtype) if self.fmt == "int4" else mx.dequantize_mx(q, s, dtype=dtype)
 
-    def matmul(self, x: torch.Tensor, attr: str, index: int | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, attr: str) -> torch.Tensor:
         if self.fmt == "mxfp8":  # the activations in MX blocks too, as the trainer's GEMM takes them
-            return (mx.qdq_mx(x).float() @ self.dequantized(attr, torch.float32, index).t()).to(x.dtype)
+            return (mx.qdq_mx(x).float() @ self.dequantized(attr, torch.float32).t()).to(x.dtype)
         if x.is_cuda:  # the fused Triton W4A16 GEMM reads the packed weights (w4a16.py)
             from .w4a16 import supports, w4a16_linear
 
-            q, s = self._parts(attr, index)
+            q, s = self._parts(attr)
             if supports(x, q):
                 return w4a16_linear(x, q, s)
-        return F.linear(x, self.dequantized(attr, x.dtype, index))
+        return F.linear(x, self.dequantized(attr, x.dtype))
 
 
 class LowpLinear(_Format, FP8Linear):

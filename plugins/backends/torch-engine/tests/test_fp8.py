@@ -204,7 +204,7 @@ def test_expert_edge_half_gets_its_own_scale():
         quantize_blockwise(torch.ones(1, 201, 64), halves=2)
 
 
-def moe_engine(weights_dtype, dtype="float32"):
+def moe_engine(weights_dtype, dtype="float32", **kw):
     from miles_plugin_arith.env import char_tokenizer
     from miles_plugin_hf.config import HFModelConfig
     from miles_plugin_hf.spec import HFModelSpec
@@ -215,10 +215,16 @@ def moe_engine(weights_dtype, dtype="float32"):
     torch.manual_seed(0)
     spec = HFModelSpec(HFModelConfig(config=MOE))
     master = spec.build_model(tok).eval()
-    eng = TorchEngine(TorchEngineConfig(dtype=dtype, weights_dtype=weights_dtype, impl="hf"), spec=spec,
+    eng = TorchEngine(TorchEngineConfig(dtype=dtype, weights_dtype=weights_dtype, impl="hf", **kw), spec=spec,
                       tokenizer=tok)
     eng.load_weights(master.state_dict().items(), 1)
     return eng, master, tok
+
+
+def _routed(tokens: int = 7):
+    torch.manual_seed(1)
+    idx = torch.tensor([[0, 3], [1, 2], [3, 0], [2, 2], [0, 1], [1, 3], [2, 0]])[:tokens]
+    return torch.randn(tokens, 64), idx, torch.rand(tokens, 2)
 
 
 def test_fp8_engine_runs_the_experts_on_fp8_weights():
@@ -230,26 +236,24 @@ def test_fp8_engine_runs_the_experts_on_fp8_weights():
     scales = {n: tuple(t.shape) for n, t in fp8._targets.items() if n.startswith("model.layers.1.mlp.experts.")}
     assert scales["model.layers.1.mlp.experts.gate_up_proj_scale_inv"] == (4, 4, 1)  # 2 halves x ceil(160/128)
     assert scales["model.layers.1.mlp.experts.down_proj_scale_inv"] == (4, 1, 2)
+    assert set(scales) == {f"model.layers.1.mlp.experts.{a}{s}" for a in ("gate_up_proj", "down_proj")
+                           for s in ("", "_scale_inv")}  # the held experts module adds no names
     assert fp8.model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # routers stay unquantized
     want, scale = quantize_blockwise(master.model.layers[1].mlp.experts.down_proj.detach())
     assert torch.equal(experts.down_proj.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(experts.down_proj_scale_inv, scale)
-    # the FP8 experts compute the reference experts' function on the dequantized weights
+    # weight-only in both GEMM modes: the reference experts' function on the dequantized weights
     ref = master.model.layers[1].mlp.experts
-    h, idx = torch.randn(7, 64), torch.tensor([[0, 3], [1, 2], [3, 0], [2, 2], [0, 1], [1, 3], [2, 0]])
-    wts = torch.rand(7, 2)
+    h, idx, wts = _routed()
     with torch.no_grad():
         saved = ref.gate_up_proj.clone(), ref.down_proj.clone()
         ref.gate_up_proj.copy_(experts.dequantized("gate_up_proj", torch.float32))
         ref.down_proj.copy_(experts.dequantized("down_proj", torch.float32))
         assert experts.gemm == "scaled_mm"  # engine.fp8_gemm auto, on CPU
-        fp8_gemms = experts(h, idx, wts)
+        assert torch.equal(experts(h, idx, wts), ref(h, idx, wts))
         experts.gemm = "dequantized"
-        assert torch.allclose(experts(h, idx, wts), ref(h, idx, wts), atol=1e-5)
+        assert torch.equal(experts(h, idx, wts), ref(h, idx, wts))
         experts.gemm = "scaled_mm"
-        # FP8 GEMMs add the activations' e4m3 rounding: close, not equal
-        diff = (fp8_gemms - ref(h, idx, wts)).abs().max()
-        assert 0 < diff < 0.1 * ref(h, idx, wts).abs().max(), diff
         ref.gate_up_proj.copy_(saved[0])
         ref.down_proj.copy_(saved[1])
         ids = torch.tensor([tok("12+34=57")["input_ids"]])
@@ -259,6 +263,37 @@ def test_fp8_engine_runs_the_experts_on_fp8_weights():
     assert 1e-4 < err < 0.1, err
     out = fp8.generate([ids[0].tolist()[:6]], SamplingParams(max_new_tokens=3))
     assert len(out[0][0].token_ids) == 3
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "mxfp8"])
+def test_moe_engine_computes_what_the_trainer_computes(fmt):
+    """The engine's experts equal the trainer's rounded experts (``RoundedExperts``) on the same
+    weights, and its log-probs a trainer forward with the same rounding."""
+    import copy
+
+    from miles_lowp.linear import RoundedExperts, packed_weights, served_weights
+    from miles_lowp.linear import convert as convert_trainer
+
+    eng, master, tok = moe_engine(fmt, **({"fp8_gemm": "dequantized"} if fmt == "fp8" else {}))
+    trainer = copy.deepcopy(master)
+    formats = convert_trainer(trainer, qat="int4") if fmt == "int4" else convert_trainer(trainer, fmt)
+    assert isinstance(trainer.model.layers[0].mlp.experts, RoundedExperts)
+    assert formats["model.layers.0.mlp.experts.gate_up_proj"] == fmt
+    eng.load_weights(packed_weights(trainer.state_dict().items(), formats), 2)  # as a sync sends them
+    h, idx, wts = _routed()
+    ids = torch.tensor([tok("12+34=57")["input_ids"]])
+    with torch.no_grad():
+        for layer in range(2):
+            got = eng.model.model.layers[layer].mlp.experts(h, idx, wts)
+            assert torch.equal(got, trainer.model.layers[layer].mlp.experts(h, idx, wts)), layer
+        got = torch.log_softmax(eng.model(input_ids=ids).logits.float(), -1)
+        if fmt == "fp8":  # weight-only FP8 linears: the master model holding the served weights
+            served = copy.deepcopy(master)
+            served.load_state_dict(dict(served_weights(master.state_dict().items(), formats)))
+            want = torch.log_softmax(served(input_ids=ids).logits.float(), -1)
+        else:  # the trainer's own forward (mxfp8 linears round the activations on both sides)
+            want = torch.log_softmax(trainer(input_ids=ids).logits.float(), -1)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
 def test_prequantized_expert_weights_are_taken_and_bad_shapes_refused():
