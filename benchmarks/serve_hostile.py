@@ -17,6 +17,7 @@ The last line reads ``serve_hostile p99 with/without hostile client ratio R``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -72,13 +74,14 @@ def start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     return proc, line[0].strip().rsplit(" ", 1)[1]
 
 
-def good_client(url: str, count: int, seconds: float = 0.0) -> list[float]:
-    """Seconds per small request, in a row, at least ``count`` of them and for at least
-    ``seconds`` (every one must succeed)."""
+def good_client(url: str, count: int, seconds: float = 0.0, until: threading.Event | None = None) -> list[float]:
+    """Seconds per small request, in a row, at least ``count`` of them, for at least ``seconds``
+    and until ``until`` is set or a minute more has passed (every one must succeed)."""
     out: list[float] = []
     deadline = time.monotonic() + seconds
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
-        while len(out) < count or time.monotonic() < deadline:
+        while (len(out) < count or time.monotonic() < deadline
+               or (until is not None and not until.is_set() and time.monotonic() < deadline + 60)):
             t0 = time.perf_counter()
             r = c.post("/generate", json=GOOD)
             out.append(time.perf_counter() - t0)
@@ -136,19 +139,25 @@ def in_flight_at_exit(url: str) -> list[threading.Thread]:
     return threads
 
 
-def hostile_client(url: str, stop: threading.Event, statuses: Counter, offset: int) -> None:
+def hostile_client(url: str, stop: threading.Event, statuses: Counter, turns: Iterator[int],
+                   answered: set[int], covered: threading.Event) -> None:
+    """Hostile requests of every kind in turn (``turns`` is shared by the threads, so the first
+    round covers every kind however slowly each is answered) until ``stop``; ``covered`` is set
+    once every kind has had its answer."""
     cases = hostile_requests()
+    kinds = len(cases) + 2
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
-        k = offset
         while not stop.is_set():
-            kind = k % (len(cases) + 2)
+            kind = next(turns) % kinds
             if kind < len(cases):
                 path, body = cases[kind]
                 statuses[f"{path} {c.post(path, json=body).status_code}"] += 1
             else:
                 keyed = kind == len(cases)
                 statuses[f"half body{' (keyed)' if keyed else ''} {half_body(url, keyed)}"] += 1
-            k += 1
+            answered.add(kind)
+            if len(answered) == kinds:
+                covered.set()
 
 
 def rss_sampler(pid: int, stop: threading.Event, out: list[float]) -> None:
@@ -186,13 +195,14 @@ def main() -> int:
         good_client(url, 5)  # warm-up: first requests size the KV cache
         base_rss = max(rss)
         alone = good_client(url, count)
-        stop, statuses = threading.Event(), Counter()
-        hostile = [threading.Thread(target=hostile_client, args=(url, stop, statuses, 3 * i), daemon=True)
-                   for i in range(args.hostile_threads)]
+        stop, statuses, covered, turns = threading.Event(), Counter(), threading.Event(), itertools.count()
+        answered: set[int] = set()
+        hostile = [threading.Thread(target=hostile_client, args=(url, stop, statuses, turns, answered, covered),
+                                    daemon=True) for _ in range(args.hostile_threads)]
         for t in hostile:
             t.start()
         time.sleep(1.0)  # the hostile requests are in flight
-        attacked = good_client(url, count, seconds)
+        attacked = good_client(url, count, seconds, until=covered)
         stop.set()
         for t in hostile:
             t.join(60)
