@@ -84,7 +84,11 @@ def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
     N, K = q.shape[-2:]
     x = q.reshape(-1, N // halves, K)
     s = scale_inv.reshape(x.shape[0], -1, scale_inv.shape[-1])
-    full = s.repeat_interleave(block, -2)[:, :N // halves].repeat_interleave(block, -1)[:, :, :K]
+    n = N // halves
+    if n % block == 0 and K % block == 0:  # whole blocks: the scales broadcast, none repeated in memory
+        blocks = x.float().view(x.shape[0], n // block, block, K // block, block) * s[:, :, None, :, None]
+        return blocks.to(dtype).reshape(q.shape)
+    full = s.repeat_interleave(block, -2)[:, :n].repeat_interleave(block, -1)[:, :, :K]
     return (x.float() * full).to(dtype).reshape(q.shape)
 
 
@@ -110,7 +114,10 @@ def _quantize_groups(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` for :func:`quantize_groups`' layout (also MX's, whose scales are powers of 2)."""
-    return (q.float() * scale.repeat_interleave(block, -1)[..., :q.shape[-1]]).to(dtype)
+    K = q.shape[-1]
+    if K % block == 0:  # whole groups: the scales broadcast, none repeated in memory
+        return (q.float().unflatten(-1, (K // block, block)) * scale[..., None]).to(dtype).flatten(-2)
+    return (q.float() * scale.repeat_interleave(block, -1)[..., :K]).to(dtype)
 
 
 def block_row_scales(scale_inv: torch.Tensor, rows: int, block: int = BLOCK) -> torch.Tensor:

@@ -30,7 +30,10 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, group: int = INT4_GROUP,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` groupwise, in ``dtype``."""
-    return (q.float() * scale.float().repeat_interleave(group, -1)[..., :q.shape[-1]]).to(dtype)
+    K = q.shape[-1]
+    if K % group == 0:  # whole groups: the scales broadcast, none repeated in memory
+        return (q.float().unflatten(-1, (K // group, group)) * scale.float()[..., None]).to(dtype).flatten(-2)
+    return (q.float() * scale.float().repeat_interleave(group, -1)[..., :K]).to(dtype)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
