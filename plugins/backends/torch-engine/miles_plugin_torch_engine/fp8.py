@@ -101,7 +101,10 @@ class FP8Experts(_Quantized):
     Weight-only in either ``gemm`` mode, as the trainer's ``miles_lowp.linear.RoundedExperts``
     computes: each forward dequantizes every expert's weights at once to the activations' dtype
     and runs the replaced module's own forward on them (its routing and GEMMs, whichever
-    transformers experts implementation it dispatches to)."""
+    transformers experts implementation it dispatches to). That costs one layer's experts in the
+    activations' dtype, transiently, and a pass over every expert's weights a forward: small for
+    the models this engine serves, too much for hundreds of large experts a layer (a grouped FP8
+    GEMM kernel's job)."""
 
     HALVES = {"gate_up_proj": 2, "down_proj": 1}
 
