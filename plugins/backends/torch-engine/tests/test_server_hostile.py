@@ -229,7 +229,10 @@ def test_group_joins_to_a_dead_address_are_bounded(serve):
     assert first.status_code == 400 and "no weights-update store" in first.json()["message"] and took < 5
     assert second.status_code == 409 and "still running" in second.json()["message"]
     assert bad.status_code == 400 and "master_port" in bad.json()["message"]
-    assert not [t for t in threading.enumerate() if t.name == "miles-group-join"]
+    joins = [t for t in threading.enumerate() if t.name == "miles-group-join"]
+    for t in joins:  # the answer is set from inside the thread, which then unwinds: it must end
+        t.join(5)
+    assert not [t for t in joins if t.is_alive()]
 
 
 def test_the_key_is_checked_before_the_body_and_a_stalled_body_times_out():
