@@ -47,8 +47,9 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
         '(per expert) hold blockwise 128x128 float8_e4m3fn weights with a weight_scale_inv per block, '
         'quantized from the trainer\'s weights at every sync (pair with algorithm.tis_cap, or train with '
         'trainer.precision: fp8); "int4": the same weights packed as symmetric INT4 with a scale per 128 '
-        '(W4A16; needs trainer.qat: int4); "mxfp8": e4m3 with an E8M0 scale per 32 weights, activations '
-        'rounded alike (emulated); each runs the model\'s own forward; "model": the engine.dtype weights')
+        '(W4A16; needs trainer.qat: int4); "mxfp8": e4m3 with an E8M0 scale per 32 weights, a linear '
+        'layer\'s activations rounded alike (emulated); expert weights compute weight-only, as the trainer '
+        'rounds them; each runs the model\'s own forward; "model": the engine.dtype weights')
     quant_scope: Literal["all", "experts"] = Field(
         "all", description='with weights_dtype int4: which weights are INT4: "all" linear layers but the '
         'output head and the MoE expert weights, or only the "experts" (must match trainer.qat_scope)')
