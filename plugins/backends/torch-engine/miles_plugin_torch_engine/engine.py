@@ -126,6 +126,11 @@ class TorchEngine(WeightReceiver):
         self._fast = select_fast_path(cfg, self.model, self.device) if self._fp8 is None else None
         self._spec = None  # engine.speculative: drafted steps the model verifies (speculative.py)
         self._mtp = None  # draft mtp: on the model's own forward, its MTP layer drafting (hf_speculative.py)
+        self._gate = None  # engine.speculative.min_accept_len: drafts only while they pay
+        if cfg.speculative is not None:
+            from .speculative import AcceptanceGate
+
+            self._gate = AcceptanceGate.for_config(cfg.speculative, self.device)
         if cfg.speculative is not None and cfg.speculative.draft == "mtp":
             from .hf_speculative import setup_mtp
 
@@ -216,12 +221,15 @@ class TorchEngine(WeightReceiver):
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         stop = set(params.stop_token_ids) | ({self.eos_id} if self.eos_id is not None else set())
         if self._fast is not None:
-            fast = self._spec if self._spec is not None and len(prompts) * n <= self._spec.max_batch else self._fast
-            return fast.generate(prompts, params, n, gen, sorted(stop), self.weight_version,
-                                 self.interrupt, self.dropped)
+            drafts = self._spec is not None and len(prompts) * n <= self._spec.max_batch and self._gate.allows()
+            out = (self._spec if drafts else self._fast).generate(prompts, params, n, gen, sorted(stop),
+                                                                  self.weight_version, self.interrupt, self.dropped)
+            if drafts:
+                self._gate.record(self._spec.accept_rate)
+            return out
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         out: list[list[Completion]] = [[] for _ in prompts]
-        mtp = self._mtp is not None and len(prompts) * n <= self._mtp.max_batch
+        mtp = self._mtp is not None and len(prompts) * n <= self._mtp.max_batch and self._gate.allows()
         self._hf_queued = len(prompts) * n
         try:
             for idx, reps in self._chunks([len(p) for p in prompts], n):
@@ -239,6 +247,8 @@ class TorchEngine(WeightReceiver):
                     out[i].extend(comps[j * reps:(j + 1) * reps])
         finally:
             self._hf_running = self._hf_queued = 0
+        if mtp:
+            self._gate.record(self._mtp.accept_rate)
         return out
 
     def _chunks(self, lengths: Sequence[int], n: int) -> Iterator[tuple[list[int], int]]:

@@ -171,6 +171,7 @@ def test_a_biased_verifier_fails_the_same_check(target, monkeypatch):
     ({"draft": "model"}, "model_path"),
     ({"draft": "head", "tokens": 0}, "tokens"),
     ({"draft": "head", "max_batch": 0}, "max_batch"),
+    ({"draft": "head", "min_accept_len": 0.5}, "min_accept_len"),
 ])
 def test_config_errors_name_the_key(speculative, match):
     from miles.config import validate_settings
@@ -203,6 +204,32 @@ def test_auto_drafts_at_no_batch_size_on_cpu_and_says_how_to_force_it(target, ca
     assert "set engine.speculative.max_batch to draft anyway" in caplog.text
     engine.generate([[1, 2]], SamplingParams(0.0, 1.0, 0, 5, []), n=1)
     assert engine.step_metrics() == {}
+
+
+def test_below_min_accept_len_calls_decode_plain_and_every_8th_measures_again(target):
+    # k = 2 gains at most 3 tokens a step: a floor of 3.5 is never met, 1.0 always is
+    params, drafted = SamplingParams(1.0, 1.0, 0, 5, [], seed=0), {}
+    for floor in (3.5, 1.0):
+        engine = _engine(target, {"draft": "head", "tokens": 2, "max_batch": 64, "min_accept_len": floor})
+        drafted[floor] = []
+        for call in range(17):
+            engine.generate([[1, 2]], params, n=2)
+            if "spec_accept_len" in engine.step_metrics():
+                drafted[floor].append(call)
+    assert drafted[3.5] == [0, 8, 16]
+    assert drafted[1.0] == list(range(17))
+
+
+def test_min_accept_len_auto_gates_only_cuda_with_max_batch_auto():
+    from miles_plugin_torch_engine.config import SpeculativeConfig
+    from miles_plugin_torch_engine.speculative import AcceptanceGate
+
+    def floor(device: str, **kw) -> float | None:
+        return AcceptanceGate.for_config(SpeculativeConfig(draft="head", **kw), torch.device(device)).floor
+
+    assert floor("cuda") == 2.0 and floor("cpu") is None
+    assert floor("cuda", max_batch=64) is None and floor("cuda", min_accept_len=None) is None
+    assert floor("cpu", min_accept_len=1.5) == 1.5
 
 
 def test_miles_serve_app_generates_through_the_speculative_engine():

@@ -155,6 +155,16 @@ def test_above_max_batch_the_models_own_decoding_runs_and_weights_reach_the_mtp_
     assert torch.equal(engine._mtp.layer.eh_proj.weight, new)
 
 
+def test_below_min_accept_len_mtp_calls_decode_plain_and_every_8th_measures_again():
+    engine = _engine(_spec("deepseek_v3"), {**MTP, "min_accept_len": 4.5})  # k = 3 gains at most 4
+    drafted = []
+    for call in range(9):
+        engine.generate([[1, 2]], SamplingParams(1.0, 1.0, 0, 4, [], seed=0), n=2)
+        if "spec_accept_len" in engine.step_metrics():
+            drafted.append(call)
+    assert drafted == [0, 8]
+
+
 def test_a_model_without_mtp_layers_is_refused():
     from miles.testing import TinySpec, char_tokenizer
 
