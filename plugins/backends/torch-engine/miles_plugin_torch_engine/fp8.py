@@ -12,14 +12,16 @@ blocked per half, as a checkpoint of separate gate and up weights is. Linear GEM
 activations quantized per token and 128-column group (1x128 e4m3, the layout of blockwise FP8
 inference in DeepSeek-V3 and SGLang), one GEMM per 128-column group of the weight with rowwise
 scales; ``dequantized`` runs them on the weights dequantized to the activations' dtype (weight-only
-FP8). Experts are weight-only in either mode, as the trainer rounds them: all their weights
-dequantized at once per forward, then the model's own experts forward. Embeddings, norms, routers
+FP8). Experts are weight-only in either mode, as the trainer rounds them: their weights
+dequantized per forward (on CUDA all at once, on CPU those of the experts hit), then the model's
+own experts forward. Embeddings, norms, routers
 and the output head stay in the engine's dtype, as in FP8 checkpoints. Weights that arrive already
 quantized (an fp8 tensor and its ``*_scale_inv``) are taken as they are.
 """
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -68,9 +70,11 @@ class _Quantized(torch.nn.Module):
     def quantize_into(self, attr: str, w: torch.Tensor) -> None:
         self._store(attr, w.to(getattr(self, attr).device))
 
-    def dequantized(self, attr: str, dtype: torch.dtype) -> torch.Tensor:
-        """The whole weight ``attr`` (every expert of 3-D expert weights) in ``dtype``, one op."""
+    def dequantized(self, attr: str, dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight ``attr`` (of 3-D expert weights, every expert, or those in ``index``) in ``dtype``."""
         q, s = getattr(self, attr), getattr(self, attr + "_scale_inv")
+        if index is not None:
+            q, s = q[index], s[index]
         return dequantize_blockwise(q, s, dtype, halves=self.HALVES[attr])
 
 
@@ -99,12 +103,13 @@ class FP8Experts(_Quantized):
     ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
     Weight-only in either ``gemm`` mode, as the trainer's ``miles_lowp.linear.RoundedExperts``
-    computes: each forward dequantizes every expert's weights at once to the activations' dtype
-    and runs the replaced module's own forward on them (its routing and GEMMs, whichever
-    transformers experts implementation it dispatches to). That costs one layer's experts in the
-    activations' dtype, transiently, and a pass over every expert's weights a forward: small for
-    the models this engine serves, too much for hundreds of large experts a layer (a grouped FP8
-    GEMM kernel's job)."""
+    computes: each forward dequantizes the experts' weights to the activations' dtype (on CUDA
+    every expert at once, with no host read; on CPU the experts hit, into a scratch copy) and runs
+    the replaced module's own forward on them (its routing and GEMMs, whichever transformers
+    experts implementation it dispatches to). That costs one layer's experts in the activations'
+    dtype and, on CUDA, a pass over every expert's weights a forward: small for the models this
+    engine serves, too much for hundreds of large experts a layer (a grouped FP8 GEMM kernel's
+    job)."""
 
     HALVES = {"gate_up_proj": 2, "down_proj": 1}
 
@@ -131,9 +136,29 @@ class FP8Experts(_Quantized):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        weights = {a: self.dequantized(a, hidden_states.dtype) for a in self.HALVES}
+        dtype = hidden_states.dtype
+        if hidden_states.is_cuda:  # one pass over every expert: no host read of which ones are hit
+            weights = {a: self.dequantized(a, dtype) for a in self.HALVES}
+        else:  # a host read costs nothing here: only the experts hit, the others' rows are never read
+            hit = top_k_index.unique()
+            weights = {}
+            for a in self.HALVES:
+                part = self.dequantized(a, dtype, hit)
+                weights[a] = _scratch(self.num_experts, part).index_copy_(0, hit, part)
         return torch.func.functional_call(self.inner, weights, (hidden_states, top_k_index, top_k_weights),
                                           strict=False)
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(experts: int, part: torch.Tensor) -> torch.Tensor:
+    """A zeroed ``[experts, ...]`` tensor shaped like ``part``'s rows, shared by every layer of that
+    shape on this thread (CPU workers run forwards side by side)."""
+    key = (threading.get_ident(), experts, *part.shape[1:], part.dtype, part.device)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = part.new_zeros((experts, *part.shape[1:]))
+    return _SCRATCH[key]
 
 
 def convert(model: torch.nn.Module, gemm: str = "dequantized") -> dict[str, tuple[_Quantized, str]]:

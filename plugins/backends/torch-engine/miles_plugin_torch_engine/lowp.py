@@ -58,8 +58,10 @@ class _Format:
         q, s = (getattr(self, n) for n in self._names(attr))
         return q, s
 
-    def dequantized(self, attr: str, dtype: torch.dtype) -> torch.Tensor:
+    def dequantized(self, attr: str, dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
         q, s = self._parts(attr)
+        if index is not None:
+            q, s = q[index], s[index]
         return i4.dequantize_packed(q, s, dtype=dtype) if self.fmt == "int4" else mx.dequantize_mx(q, s, dtype=dtype)
 
     def matmul(self, x: torch.Tensor, attr: str) -> torch.Tensor:
