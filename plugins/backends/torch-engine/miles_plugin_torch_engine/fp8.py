@@ -154,8 +154,10 @@ _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 def _scratch(experts: int, part: torch.Tensor) -> torch.Tensor:
     """A zeroed ``[experts, ...]`` tensor shaped like ``part``'s rows, shared by every layer of that
-    shape on this thread (CPU workers run forwards side by side)."""
-    key = (threading.get_ident(), experts, *part.shape[1:], part.dtype, part.device)
+    shape on this thread (CPU workers run forwards side by side) and inference mode (a tensor made
+    in it cannot be written outside it)."""
+    key = (threading.get_ident(), torch.is_inference_mode_enabled(), experts, *part.shape[1:], part.dtype,
+           part.device)
     if key not in _SCRATCH:
         _SCRATCH[key] = part.new_zeros((experts, *part.shape[1:]))
     return _SCRATCH[key]
