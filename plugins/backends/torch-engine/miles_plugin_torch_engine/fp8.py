@@ -149,18 +149,17 @@ class FP8Experts(_Quantized):
                                           strict=False)
 
 
-_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SCRATCH = threading.local()  # per thread (CPU workers run forwards side by side), freed with it
 
 
 def _scratch(experts: int, part: torch.Tensor) -> torch.Tensor:
     """A zeroed ``[experts, ...]`` tensor shaped like ``part``'s rows, shared by every layer of that
-    shape on this thread (CPU workers run forwards side by side) and inference mode (a tensor made
-    in it cannot be written outside it)."""
-    key = (threading.get_ident(), torch.is_inference_mode_enabled(), experts, *part.shape[1:], part.dtype,
-           part.device)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = part.new_zeros((experts, *part.shape[1:]))
-    return _SCRATCH[key]
+    shape on this thread and inference mode (a tensor made in it cannot be written outside it)."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    key = (torch.is_inference_mode_enabled(), experts, *part.shape[1:], part.dtype, part.device)
+    if key not in buffers:
+        buffers[key] = part.new_zeros((experts, *part.shape[1:]))
+    return buffers[key]
 
 
 def convert(model: torch.nn.Module, gemm: str = "dequantized") -> dict[str, tuple[_Quantized, str]]:
