@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MIN_VOCAB = 16  # fewer draft tokens than this cover too little of any real text to draft with
+
 
 class DraftConfig(BaseModel):
     """``draft:``. The head always learns during supervised steps (the warm start); ``train``
@@ -24,3 +26,10 @@ class DraftConfig(BaseModel):
                                   "computed once); more lets the head keep up with a policy that drifts fast. "
                                   "The warm start's supervised steps take one. The reported draft_loss and "
                                   "draft_top1 are the first pass's (before this step's updates)")
+    vocab: int | None = Field(None, ge=MIN_VOCAB, description="a reduced draft vocabulary (EAGLE-3): the head "
+                              "scores only this many target tokens, the most frequent next tokens of its "
+                              "training data (the warm start's and the RL steps' response tokens, counted with "
+                              "the head and refreshed every training step), which cuts its products with the "
+                              "whole output matrix; sampling stays exact (the draft puts no probability on the "
+                              f"other tokens). At least {MIN_VOCAB}, at most the model's vocabulary; null: all "
+                              "of it")

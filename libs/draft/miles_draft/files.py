@@ -53,6 +53,9 @@ def load_head(module: torch.nn.Module, path: str) -> None:
         state = load_file(file)
     except (SafetensorError, OSError) as e:
         raise MilesError(f"draft head {file} is not a readable safetensors file ({e})") from None
+    for name in ("draft_vocab", "vocab_counts"):  # a file of a head without them scores every token
+        if name not in state and name in module.state_dict():
+            state[name] = module.state_dict()[name]
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as e:

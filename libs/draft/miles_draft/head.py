@@ -12,6 +12,13 @@ The head reuses the target's embedding and LM head (no weights of its own there)
 one ``2d -> d`` projection, one attention block of the target's head count and a gated MLP of the
 target's intermediate width.
 
+A reduced draft vocabulary (EAGLE-3, ``draft.vocab: N``): the head scores only ``N`` target tokens,
+the most frequent next tokens of its training data. Two buffers travel with its weights (state
+dict, file, checkpoints, weight syncs): ``draft_vocab [V]``, the subset's target ids in increasing
+order and ``-1`` past its size (``V`` wide whatever ``N``, so an engine that never saw the
+``draft:`` section holds a buffer of the right shape and reads ``N`` from it), and
+``vocab_counts [V]``, the running count of the training targets the subset follows.
+
 ``chains`` is the whole-sequence form training uses; the engine's drafter (``HeadDrafter``)
 computes the same with a KV cache of its own.
 """
@@ -30,8 +37,15 @@ NAME = PREFIX.rstrip(".")  # the submodule's name on the target model
 
 
 class DraftHead(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, heads: int, head_dim: int, eps: float = 1e-6):
+    def __init__(self, hidden: int, intermediate: int, heads: int, head_dim: int, eps: float = 1e-6,
+                 vocab: int = 0, draft_vocab: int | None = None):
+        """``vocab``: the target's vocabulary ``V``; ``draft_vocab``: ``N`` (None: all ``V``)."""
         super().__init__()
+        size = vocab if draft_vocab is None else draft_vocab
+        ids = torch.full((vocab,), -1, dtype=torch.long)
+        ids[:size] = torch.arange(size)  # until a token is counted: the first N ids
+        self.register_buffer("draft_vocab", ids)
+        self.register_buffer("vocab_counts", torch.zeros(vocab, dtype=torch.long))
         self.heads, self.head_dim, self.scale = heads, head_dim, head_dim ** -0.5
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.attn_norm = nn.RMSNorm(hidden, eps=eps)
@@ -46,6 +60,23 @@ class DraftHead(nn.Module):
             self.fc.weight[:, :hidden].copy_(torch.eye(hidden))
             self.o.weight.mul_(0.1)
             self.down.weight.mul_(0.1)
+
+    def subset(self) -> torch.Tensor | None:
+        """The target ids ``[N]`` the head scores, or None when it scores them all (a host read)."""
+        n = int((self.draft_vocab >= 0).sum())
+        return None if n == self.draft_vocab.numel() else self.draft_vocab[:n]
+
+    @torch.no_grad()
+    def count(self, tokens: torch.Tensor) -> None:
+        """Add training targets ``tokens`` (any shape, target ids) to the running counts and take
+        the ``N`` most counted as the subset (ties: the lower id), in place: the engine's CUDA
+        graphs read the same buffer."""
+        V = self.vocab_counts.numel()
+        self.vocab_counts += torch.bincount(tokens.reshape(-1).clamp(0, V - 1), minlength=V)
+        n = int((self.draft_vocab >= 0).sum())
+        if n < V:  # a stable sort of the negated counts: equal counts keep id order
+            top = torch.sort(-self.vocab_counts, stable=True).indices[:n]
+            self.draft_vocab[:n] = top.sort().values
 
     def project(self, feature: torch.Tensor, embedding: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """An entry from ``[..., d]`` feature and token embedding: the fused ``x [..., d]`` and its
@@ -111,28 +142,34 @@ def head_of(model: nn.Module) -> DraftHead | None:
     return head if isinstance(head, DraftHead) else None
 
 
-def attach(model: nn.Module) -> DraftHead:
+def attach(model: nn.Module, draft_vocab: int | None = None) -> DraftHead:
     """The model's draft head, made (and registered as its ``draft_head`` submodule, on the
     model's device and dtype) if it has none: its weights then travel in the model's state dict,
-    so checkpoints and weight syncs carry them under ``draft_head.``."""
+    so checkpoints and weight syncs carry them under ``draft_head.``. ``draft_vocab``: a new
+    head's ``N`` (an engine's head takes its subset from the weights it receives)."""
     head = head_of(model)
     if head is not None:
         return head
     ref = model.get_output_embeddings().weight
-    head = make_head(model.config, ref.device, ref.dtype)
+    head = make_head(model.config, ref.device, ref.dtype, draft_vocab)
     model.add_module(NAME, head)
     return head
 
 
-def make_head(config, device: torch.device, dtype: torch.dtype) -> DraftHead:
+def make_head(config, device: torch.device, dtype: torch.dtype, draft_vocab: int | None = None) -> DraftHead:
     """A fresh head for a model of Hugging Face ``config``: every trainer and the engine size it
-    alike, so a head trained by one loads into the other."""
+    alike, so a head trained by one loads into the other. ``draft_vocab``: ``draft.vocab``."""
+    from miles import ConfigError
+
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if draft_vocab is not None and draft_vocab > config.vocab_size:
+        raise ConfigError([f"draft.vocab: {draft_vocab} is more than the model's vocabulary of "
+                           f"{config.vocab_size} tokens; use at most {config.vocab_size}, or null for all"])
     with torch.random.fork_rng(devices=[]):  # the run's own random stream stays as without a draft
         head = DraftHead(config.hidden_size, config.intermediate_size, heads, head_dim,
-                         getattr(config, "rms_norm_eps", 1e-6))
-    return head.to(device=device, dtype=dtype)
+                         getattr(config, "rms_norm_eps", 1e-6), config.vocab_size, draft_vocab)
+    return head.to(device=device, dtype=dtype)  # the id buffers stay int64
 
 
 def head_logits(model: nn.Module, feature: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ class HeadTraining:
         if supervised:
             _supervised = weakref.ref(self)
         elif warm is not None and cfg.train:  # the warm start's head and optimizer, as they ended
-            self._warm = ({k: v.detach() for k, v in warm.head.state_dict().items()}, warm.optim.state_dict())
+            self._warm = ({k: v.detach() for k, v in warm.head.named_parameters()}, warm.optim.state_dict())
 
     def loss(self, hidden: torch.Tensor, nxt: torch.Tensor, index: torch.Tensor, target: torch.Tensor,
              mask: torch.Tensor, embedding: torch.Tensor, lm_head: torch.Tensor, denoms: list[torch.Tensor],
@@ -69,11 +69,20 @@ class HeadTraining:
         ``i`` and token ``i``, predicts token ``i + 1``), ``mask [B, R]`` which response tokens are
         trained, ``embedding``/``lm_head [V, d]`` the policy's (detached). ``denoms``:
         ``denominators`` of the whole batch. Metrics (this part's share of the batch's):
-        ``draft_loss`` (KL to the policy, step 1), ``draft_top1`` (the head's argmax is the policy's)."""
+        ``draft_loss`` (KL to the policy, step 1), ``draft_top1`` (the head's argmax is the policy's)
+        and, with a reduced draft vocabulary, ``draft_vocab_cover`` (the share of trained targets in
+        the subset; the others are no part of the loss, and the KL is to the policy's distribution
+        renormalised over the subset)."""
         R, S = mask.shape[1], hidden.shape[1]
         dtype = self.head.fc.weight.dtype
         hidden, embedding = hidden.to(dtype), embedding.to(dtype)
         starts = index[:, :R - 1]  # chains whose first draft is a scored response token
+        sub = self.head.subset()  # a reduced draft vocabulary: the head scores only these ids
+        if sub is not None:
+            sub = sub.to(lm_head.device)
+            inside = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
+            inside[sub] = True
+            lm_head = lm_head[sub]
 
         def feed(s: int, _feature: torch.Tensor) -> torch.Tensor:  # step s + 1 reads the true token
             return F.embedding(nxt.gather(1, (starts + s).clamp(max=S - 1)), embedding)
@@ -83,12 +92,29 @@ class HeadTraining:
         for s, feats in enumerate(outs, start=1):
             logq = torch.log_softmax(F.linear(feats[:, :R - s], lm_head.to(dtype)).float(), dim=-1)
             logp, m = target[:, s - 1:R - 1].float(), mask[:, s:R].float()
+            best, drafted = logp.argmax(-1), logq.argmax(-1)
+            covered = m
+            if sub is not None:  # targets outside the subset leave the loss; the policy renormalised within it
+                covered = m * inside[nxt.gather(1, (starts[:, :R - s] + s).clamp(max=S - 1))].float()
+                logp, drafted = torch.log_softmax(logp[..., sub], dim=-1), sub[drafted]
             kl = (logp.exp() * (logp - logq)).sum(-1)
-            losses.append((kl * m).sum() / denoms[s - 1])
+            losses.append((kl * covered).sum() / denoms[s - 1])
             if s == 1:
-                top1 = (logq.argmax(-1) == logp.argmax(-1)).float()
+                top1 = (drafted == best).float()
                 metrics = {"draft_loss": losses[0].detach(), "draft_top1": (top1 * m).sum() / denoms[0]}
+                if sub is not None:
+                    metrics["draft_vocab_cover"] = covered.sum() / denoms[0]
         return self.cfg.loss_weight * torch.stack(losses).mean(), metrics
+
+    def observe(self, input_ids: torch.Tensor, prompt_len: int, mask: torch.Tensor) -> None:
+        """Count a step's training targets (the response tokens the head learns to draft, those of
+        ``mask [B, R]`` after the first) and refresh the subset of a reduced draft vocabulary from
+        the running counts, before the step's passes. Every rank sees the whole batch here, so
+        the replicas' subsets agree."""
+        if self.head.subset() is None:
+            return
+        targets = input_ids[:, prompt_len + 1:]
+        self.head.count(targets[mask[:, 1:].to(targets.device).bool()])
 
     def update(self, reduce: Callable[[list[torch.nn.Parameter]], None] | None = None) -> None:
         """One optimizer step on the gradients the losses left; ``reduce(params)`` first sums them
@@ -109,7 +135,7 @@ class HeadTraining:
         warm, self._warm = self._warm, None
         if warm is None:
             return
-        state = self.head.state_dict()
+        state = dict(self.head.named_parameters())  # not the vocabulary counts, which this step added to
         if state.keys() == warm[0].keys() and all(torch.equal(state[k], warm[0][k].to(state[k].device)) for k in state):
             self.optim.load_state_dict(warm[1])
 
@@ -128,7 +154,7 @@ class DraftTraining(HeadTraining):
     """The head of the Hugging Face ``model`` (attached if missing) and its optimizer."""
 
     def __init__(self, cfg: DraftConfig, model: torch.nn.Module, supervised: bool = False):
-        super().__init__(cfg, attach(model), supervised)
+        super().__init__(cfg, attach(model, cfg.vocab), supervised)
 
     def step(self, model: torch.nn.Module, batch: Any) -> dict[str, float]:
         """``passes`` optimizer steps of the head on ``batch`` (a ``miles.Batch`` of token rows), the
@@ -145,6 +171,7 @@ class DraftTraining(HeadTraining):
             hidden = out.hidden_states[-1][:, :-1].detach()  # h_j, j = 0 .. L-2
             target = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)  # policy at columns P .. L-2
         mask, ids = batch.loss_mask.to(hidden.device), batch.input_ids
+        self.observe(ids, P, mask)
         index = (P - 1 + torch.arange(R, device=ids.device)).expand(ids.shape[0], R)
         embedding, lm_head = embedding_weight(model), lm_weight(model)
         denoms, keys = denominators(mask, self.cfg.unroll), batch.attention_mask[:, :-1]

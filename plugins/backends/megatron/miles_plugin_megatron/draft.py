@@ -41,8 +41,9 @@ def training(settings: dict | None, trainer: Any, hf_config: Any, algorithm: Any
                          f"(trainer.pipeline_parallel is {trainer.pp}): only the last stage sees the final "
                          f"hidden states; use trainer.pipeline_parallel: 1 or remove the draft: section")
     supervised = algorithm is not None and not algorithm.uses_rollout
-    head = make_head(hf_config, trainer.device, torch.float32)  # fp32 like the policy's master weights
-    return MegatronDraft(DraftConfig.model_validate(settings), head, supervised)
+    cfg = DraftConfig.model_validate(settings)
+    head = make_head(hf_config, trainer.device, torch.float32, cfg.vocab)  # fp32 like the policy's master weights
+    return MegatronDraft(cfg, head, supervised)
 
 
 @contextlib.contextmanager
@@ -80,6 +81,7 @@ class MegatronDraft(HeadTraining):
         R = batch.input_ids.shape[1] - batch.prompt_len
         if not self.active or R < 2:
             return {}
+        self.observe(batch.input_ids, batch.prompt_len, batch.loss_mask)  # the whole batch: every rank alike
         embedding, lm_head = vocab_weights(trainer)
         denoms = denominators(batch.loss_mask.to(trainer.device), self.cfg.unroll)
         sums: dict[str, torch.Tensor] = {}
@@ -90,7 +92,8 @@ class MegatronDraft(HeadTraining):
                 self._pass(trainer, batch, forward, embedding, lm_head, denoms, sums if p == 0 else {})
         out = {k: float(v) for k, v in sums.items()}
         if trainer.dp > 1:  # each DP rank's share of the batch's metrics: their sum is the whole
-            out = trainer._sum_dp({k: out.get(k, 0.0) for k in ("draft_loss", "draft_top1")})
+            keys = ("draft_loss", "draft_top1") + (("draft_vocab_cover",) if self.head.subset() is not None else ())
+            out = trainer._sum_dp({k: out.get(k, 0.0) for k in keys})
         return out
 
     def _pass(self, trainer: Any, batch: Any, forward: Callable, embedding: torch.Tensor,

@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from miles import ConfigError
-from miles_draft.head import attach, attend, embed, head_logits
+from miles_draft.head import attach, attend, embed, head_logits, lm_weight
 
 from .fast import LlamaFamilyForward, unsupported_reason
 from .rejection import propose_token
@@ -31,7 +32,13 @@ class HeadDrafter:
     state at ``j`` with the token at ``j + 1`` (``DraftHead.chains``, which training runs). A
     proposal writes the entry before the row's last token and then the chain's own entries after
     it; ``commit`` rewrites the entries of the tokens a step emitted from the verify block's
-    hidden states, so the cache below a row's last token holds only the target's."""
+    hidden states, so the cache below a row's last token holds only the target's.
+
+    With a reduced draft vocabulary (the head's ``draft_vocab``, ``draft.vocab``) the head scores
+    only the subset's rows of the LM head, gathered into a buffer of their own at every generate
+    call (after a weight sync), refilled in place so that captured graphs stay valid; drafts map
+    back to target ids and their distribution is zero outside the subset, which rejection
+    sampling's residual covers."""
 
     reads_length = True  # its attention reads cache positions below the step's length bucket
 
@@ -44,6 +51,8 @@ class HeadDrafter:
         self.feat: torch.Tensor | None = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None  # the subset's target ids [N] (None: every token)
+        self.lm: torch.Tensor | None = None  # their LM head rows [N, d]
 
     def allocate(self, fwd: LlamaFamilyForward) -> None:
         if self.feat is None or self.feat.shape[0] != fwd.slots:
@@ -52,10 +61,36 @@ class HeadDrafter:
         if self.k_cache is None or self.k_cache.shape != shape:
             self.k_cache = torch.zeros(shape, dtype=fwd.dtype, device=fwd.device)
             self.v_cache = torch.zeros(shape, dtype=fwd.dtype, device=fwd.device)
+        self._gather_vocab()
+
+    def _gather_vocab(self) -> None:
+        """The subset's ids and LM head rows from the head's ``draft_vocab`` and the current weights."""
+        sub = self.head.subset()
+        if sub is None:
+            self.ids = self.lm = None
+            return
+        w = lm_weight(self.model)
+        if self.ids is None or self.ids.shape != sub.shape or self.lm.dtype != w.dtype or self.lm.device != w.device:
+            self.ids = torch.empty_like(sub)
+            self.lm = torch.empty((sub.numel(), w.shape[1]), dtype=w.dtype, device=w.device)
+        self.ids.copy_(sub)
+        torch.index_select(w, 0, self.ids, out=self.lm)
 
     def signature(self) -> tuple:
         # the head's weights are the model's: in the forward's signature
-        return (self.feat.data_ptr(), self.k_cache.data_ptr(), self.v_cache.data_ptr())
+        vocab = () if self.ids is None else (self.ids.data_ptr(), self.lm.data_ptr())
+        return (self.feat.data_ptr(), self.k_cache.data_ptr(), self.v_cache.data_ptr(), *vocab)
+
+    def _propose_token(self, feature: torch.Tensor, params: Any, gen: torch.Generator,
+                       u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft (target id) from a head output feature and its distribution over the target's vocabulary."""
+        if self.ids is None:
+            return propose_token(head_logits(self.model, feature), params, gen, u)
+        tok, q = propose_token(F.linear(feature, self.lm), params, gen, u)
+        if q is not None:  # over the target's vocabulary: zero outside the subset
+            q = torch.zeros((*q.shape[:-1], self.head.draft_vocab.numel()), dtype=q.dtype,
+                            device=q.device).index_copy_(-1, self.ids, q)
+        return self.ids[tok], q
 
     def state(self) -> tuple[torch.Tensor, ...]:
         """Per-row state a step overwrites (its cache entries at and past a row's position are
@@ -116,7 +151,7 @@ class HeadDrafter:
             o = attend(self.head, q, self.k_cache[:live, :length], self.v_cache[:live, :length],
                        span[None] <= (start + i)[:, None])
             feature = self.head.finish(x, o)
-            tok, q = propose_token(head_logits(self.model, feature), params, gen, None if u is None else u[:, i:i + 1])
+            tok, q = self._propose_token(feature, params, gen, None if u is None else u[:, i:i + 1])
             drafts.append(tok)
             qs.append(q)
         return torch.stack(drafts, 1), None if qs[0] is None else torch.stack(qs, 1)

@@ -140,6 +140,7 @@ class TorchEngine(WeightReceiver):
 
             self._spec = setup(cfg, self.model, self._fast)
             self._targets.update(self.model.named_parameters(remove_duplicate=False))  # the draft head's
+            self._targets.update(self.model.named_buffers(remove_duplicate=False))  # its draft vocabulary
         # an MoE spec with routing replay: completions carry the experts each token was routed to
         from .routing import RoutingLog
 
