@@ -20,14 +20,15 @@ def speculative(config: Any) -> dict:
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")  # DeepSeek/GLM, Qwen3-Next/3.5
 
 
-def declares_mtp(config: Any) -> bool:
-    """Whether the run's model declares multi-token-prediction layers: in its inline
-    ``model.config`` (also under ``model.base``, as the moe spec wraps one) or in the
-    ``config.json`` of its local ``model.path`` folder."""
+def model_configs(config: Any) -> list[dict]:
+    """The Hugging Face configs the run's model section declares: its inline ``model.config``
+    (also under ``model.base``, as the moe spec wraps one) or the ``config.json`` of its local
+    ``model.path`` folder."""
     import json
     from pathlib import Path
 
     model = config.raw.get("model") if isinstance(config.raw.get("model"), dict) else {}
+    out = []
     for m in (model, model.get("base") if isinstance(model.get("base"), dict) else {}):
         hf = m.get("config")
         if not isinstance(hf, dict) and isinstance(m.get("path"), str):
@@ -35,9 +36,25 @@ def declares_mtp(config: Any) -> bool:
                 hf = json.loads((Path(m["path"]) / "config.json").read_text())
             except (OSError, ValueError):
                 hf = None
-        if isinstance(hf, dict) and any(isinstance(hf.get(k), int) and hf[k] > 0 for k in MTP_KEYS):
-            return True
-    return False
+        if isinstance(hf, dict):
+            out.append(hf)
+    return out
+
+
+def declares_mtp(config: Any) -> bool:
+    """Whether the run's model declares multi-token-prediction layers (``model_configs``)."""
+    return any(isinstance(hf.get(k), int) and hf[k] > 0 for hf in model_configs(config) for k in MTP_KEYS)
+
+
+def vocab_problem(config: Any, raw: dict) -> str | None:
+    """``draft.vocab`` above the model's vocabulary, where the config declares it (otherwise the
+    head refuses it when it is made)."""
+    n = raw.get("vocab")
+    sizes = [hf["vocab_size"] for hf in model_configs(config) if isinstance(hf.get("vocab_size"), int)]
+    if isinstance(n, int) and not isinstance(n, bool) and sizes and n > sizes[0]:
+        return (f"draft.vocab: {n} is more than the model's vocabulary of {sizes[0]} tokens; use at most "
+                f"{sizes[0]}, or null for all")
+    return None
 
 
 def problems(config: Any, raw: Any, me: str, validate: Callable[[Any, str, dict, list[str]], Any]) -> list[str]:
@@ -54,6 +71,9 @@ def problems(config: Any, raw: Any, me: str, validate: Callable[[Any, str, dict,
     if not isinstance(raw, dict):
         return [f"draft: must be a mapping of keys to values (got {raw!r})"]
     validate(DraftConfig, "draft", raw, out)
+    too_big = vocab_problem(config, raw)
+    if too_big:
+        out.append(too_big)
     if trainer not in TRAINERS:
         out.append(f"draft: the draft is trained by trainer {' or '.join(TRAINERS)} (trainer.name is "
                    f"{trainer!r}); remove the draft: section or use one of those trainers")

@@ -127,3 +127,18 @@ def test_the_subset_and_its_lm_rows_follow_weight_syncs(target):
     engine.load_weights([("draft_head.draft_vocab", torch.arange(VOCAB))], version=3)
     engine.generate([PROMPT], params)
     assert drafter.ids is None  # every token again: the whole LM head
+
+
+def test_a_head_file_brings_its_subset_to_the_engine(target, tmp_path):
+    """``engine.speculative.path``: the exported head's ``draft_vocab`` is the engine's subset."""
+    from miles_draft.files import save_head
+    from miles_draft.head import make_head
+
+    head = make_head(target.config, torch.device("cpu"), torch.float32, draft_vocab=len(SUBSET))
+    head.draft_vocab.copy_(_subset(SUBSET))
+    save_head(dict(head.state_dict()), str(tmp_path))
+    engine = _engine(target, {**HEAD, "path": str(tmp_path)})
+    params = SamplingParams(0.0, 1.0, 0, 6, [])
+    got = engine.generate([PROMPT, [4, 5]], params)
+    assert engine._spec.drafter.ids.tolist() == SUBSET
+    assert [c[0].token_ids for c in got] == [c[0].token_ids for c in _engine(target).generate([PROMPT, [4, 5]], params)]
