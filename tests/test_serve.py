@@ -207,11 +207,16 @@ def seq_logprobs(model, prompt, tokens):
 
 
 def _pause_abort_resume(model_dir, tmp_path, new, prompts):
-    """One batch through the sglang engine with ``in_flight: resume``: an aborting pause as soon
-    as the batch is on a fresh server, ``new`` loaded as version 1, continue; the groups."""
+    """One batch through the sglang engine with ``in_flight: resume``: an aborting pause while the
+    batch decodes on a fresh server, ``new`` loaded as version 1, continue; the groups.
+
+    The server takes the whole request into one engine call (``admit_samples``) but decodes 2 rows
+    at a time, so the 32 samples run in turns, and the pause is sent once the server reports rows
+    decoding with more waiting: most of the batch is then left to run, a window wide enough for a
+    loaded machine (all 32 rows at once end within a few of the test's polls)."""
     tmp_path.mkdir()
     log = tmp_path / "serve.log"
-    proc = start(model_dir, log)
+    proc = start(model_dir, log, "max_batch_size=2", "admit_samples=32")
     pool = cf.ThreadPoolExecutor(1)
     try:
         server = Served(proc, wait_listening(proc, log), log)
@@ -221,8 +226,11 @@ def _pause_abort_resume(model_dir, tmp_path, new, prompts):
         try:
             future = pool.submit(engine.generate, prompts, SamplingParams(max_new_tokens=120), 4)
             deadline = time.time() + 60
-            while info(server)["num_running"] == 0:  # the batch is on the engine
-                assert time.time() < deadline and not future.done()
+            while True:  # the server's own reading (/metrics): rows decoding, more waiting for a row
+                load = engine.engine_stats()[0]
+                if load["running"] > 0 and load["queued"] > 0 and load["generated_tokens"] > 0:
+                    break
+                assert time.time() < deadline and not future.done(), load
                 time.sleep(0.002)
             engine.pause_generation(mode="abort")
             engine.load_weights([(n, p.detach()) for n, p in new.named_parameters()], 1)
@@ -243,9 +251,9 @@ def test_pause_abort_then_resume_joins_old_and_new_weights(model_dir, tmp_path):
     weights, continue. Every sample finishes; a cut one is the old weights' prefix joined to what
     the new weights generated after prompt + prefix, and records both versions.
 
-    This tiny model often samples EOS early, so on a loaded machine the pause can land after the
-    whole batch has stopped, or before its first token: then no sample is cut, and the scenario
-    runs again on a fresh server (every sample of every run is checked)."""
+    The pause is sent while the server still has groups of the batch waiting (``_pause_abort_resume``),
+    so samples are cut however loaded the machine; should a run still end with none cut, the
+    scenario runs again on a fresh server (every sample of every run is checked)."""
     from transformers import AutoModelForCausalLM
 
     new = lively(TinySpec().build_model(char_tokenizer()), 7)
