@@ -19,11 +19,13 @@ same for the ``mtp`` draft on the model's own forward, a DeepSeek-V3-shaped mode
 MTP layer is first trained (``miles_mtp.train``) on its own greedy continuations. A random model's
 text is hard to predict; ``--text-steps N`` first trains the target N steps on Python's standard
 library source (byte-level), so the draft predicts a trained model's text, and prints a sample.
+``--draft-vocab N``: the head scores only the N most frequent tokens of its training data
+(``draft.vocab``, EAGLE-3's reduced draft vocabulary).
 
     python benchmarks/speculative.py [--recipe arith|tool_use] [--steps N] [--warm-start N] [--quick]
                                      [--out runs/bench_spec] [--max-batch 4096] [--kinds none frozen online]
     python benchmarks/speculative.py --decode [--mtp] [--device cpu|cuda] [--new-tokens 64] [--tokens 3]
-                                     [--text-steps 400] [--temperature 0]
+                                     [--text-steps 400] [--temperature 0] [--draft-vocab N]
 """
 from __future__ import annotations
 
@@ -189,7 +191,7 @@ def decode_table(args) -> None:
 
         train = MTPTraining(DraftConfig(lr=args.head_lr), plain.model)
     else:
-        train = DraftTraining(DraftConfig(lr=args.head_lr), model)
+        train = DraftTraining(DraftConfig(lr=args.head_lr, vocab=args.draft_vocab), model)
     for step in range(args.head_steps):
         prompts = [prompt() for _ in range(args.head_batch)]
         comps = plain.generate(prompts, teach, n=1)
@@ -200,7 +202,8 @@ def decode_table(args) -> None:
         if step % 100 == 99:
             print(f"  step {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
     loss = metrics.get("mtp_loss" if args.mtp else "draft_loss", 0)
-    print(f"{draft} trained {args.head_steps} steps: loss {loss:.3f}")
+    cover = f", vocabulary cover {metrics['draft_vocab_cover']:.3f}" if "draft_vocab_cover" in metrics else ""
+    print(f"{draft} trained {args.head_steps} steps: loss {loss:.3f}{cover}")
     if args.text_steps:  # what the target writes, to judge the acceptance by
         first = prompt()
         out = plain.generate([first], params, n=1)[0][0].token_ids
@@ -326,7 +329,11 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mtp", action="store_true", help="--decode with the mtp draft (a DeepSeek-V3 shape)")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="--decode: the head's reduced "
+                    "draft vocabulary (draft.vocab: the N most frequent tokens of its training continuations)")
     args = ap.parse_args()
+    if args.draft_vocab is not None and (args.mtp or not args.decode):
+        ap.error("--draft-vocab applies to --decode with the draft head")
     if args.decode:
         decode_table(args)
     else:
