@@ -38,8 +38,9 @@ def _sharded_params(model: torch.nn.Module, prefix: str) -> tuple[dict[str, Any]
     if hasattr(model, "sharded_state_dict"):  # a megatron-core module
         sd = model.sharded_state_dict(prefix=prefix)
     elif prefix in ("draft.", "mtp."):  # replicated on every rank (no pipeline stages): one writes it
-        # an MTP layer's buffers too (DeepSeek's expert bias): its state dict loads strictly
-        tensors = model.state_dict(keep_vars=True) if prefix == "mtp." else dict(model.named_parameters())
+        # buffers too (an MTP layer's expert bias, a draft head's vocabulary and counts): the
+        # state dict loads strictly
+        tensors = model.state_dict(keep_vars=True)
         sd = {prefix + name: make_sharded_tensor_for_checkpoint(p, prefix + name) for name, p in tensors.items()}
     else:  # the critic: its GPT backbone, plus a norm and head replicated on every rank
         from megatron.core import parallel_state as ps

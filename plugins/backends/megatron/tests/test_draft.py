@@ -92,16 +92,22 @@ def test_engine_receives_the_head_and_the_loss_is_the_hf_models(megatron_cpu):
     assert all(torch.equal(v, named[k]) for k, v in other.named_weights())
 
 
-def test_checkpoint_round_trip_restores_the_head_and_its_optimizer(megatron_cpu, tmp_path):
+@pytest.mark.parametrize("vocab", [None, 32])
+def test_checkpoint_round_trip_restores_the_head_and_its_optimizer(megatron_cpu, tmp_path, vocab):
+    """With a reduced draft vocabulary (``draft.vocab``) its subset and counts come back too."""
     from miles_draft.files import load_head
 
-    tr = make(HEAD)
+    head = {**HEAD, "vocab": vocab}
+    tr = make(head)
     b = batch(rows=6, response=8)
-    tr.train_step(b, loss_fn)
+    m = tr.train_step(b, loss_fn)
+    if vocab:
+        assert 0 < m["draft_vocab_cover"] <= 1 and tr.draft.head.vocab_counts.sum() > 0
+        assert tr.draft.head.subset().tolist() != list(range(vocab))  # it follows the counts
     tr.save(str(tmp_path / "ck"))
     tr.export_draft(str(tmp_path))  # draft_head.safetensors, as the engine reads it
     exported = tr.draft.head.fc.weight.detach().clone()
-    again = make(HEAD, seed=3)
+    again = make(head, seed=3)
     assert not torch.equal(again.draft.head.fc.weight, tr.draft.head.fc.weight)
     again.load(str(tmp_path / "ck"))
     for k, v in tr.draft.head.state_dict().items():
@@ -109,9 +115,10 @@ def test_checkpoint_round_trip_restores_the_head_and_its_optimizer(megatron_cpu,
     m1, m2 = tr.train_step(b, loss_fn), again.train_step(b, loss_fn)
     assert untimed(m1) == untimed(m2)  # the AdamW moments and step of the head came back too
     assert all(torch.equal(v, dict(again.named_weights())[k]) for k, v in tr.named_weights())
-    fresh = make(HEAD, seed=4).draft.head
+    fresh = make(HEAD, seed=4).draft.head  # made without draft.vocab, as the engine's
     load_head(fresh, str(tmp_path))
     assert torch.equal(fresh.fc.weight, exported)
+    assert torch.equal(fresh.draft_vocab, tr.draft.head.draft_vocab)
 
 
 def test_config_accepts_mtp_and_refuses_pipeline_stages():
