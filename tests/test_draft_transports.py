@@ -25,6 +25,9 @@ TINY = str(ROOT / "tests" / "tiny.yaml")
 TRANSPORTS = ["tensor", "broadcast", "disk", "p2p"]
 DRAFT = ["loggers=[]", "algorithm.filter_zero_variance=false", "draft.train=true", "draft.lr=3.0e-3"]
 HEAD = "{draft: head, tokens: 2}"
+# a reduced draft vocabulary: its subset and counts travel as two more of the head's tensors, into
+# engines (miles serve's too) that made their head without the draft: section
+VOCAB = ["model.config.vocab_size=32", "draft.vocab=16"]
 # a tiny DeepSeek-V3 (one dense layer, one MoE layer) with one MTP layer: model.layers.2.*
 DSV3 = ("{model_type: deepseek_v3, hidden_size: 32, intermediate_size: 64, moe_intermediate_size: 16, "
         "num_hidden_layers: 2, first_k_dense_replace: 1, num_attention_heads: 2, num_key_value_heads: 2, "
@@ -72,7 +75,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("served")
-    pm, cfg = load(TINY, [f"run.out_dir={out / 'run'}", *DRAFT, f"engine.speculative={HEAD}"], [])
+    pm, cfg = load(TINY, [f"run.out_dir={out / 'run'}", *DRAFT, *VOCAB, f"engine.speculative={HEAD}"], [])
     initial_model(pm, cfg, str(out / "model"))  # the run's architecture; its head starts at random
     s = Server(out / "model")
     yield s
@@ -105,7 +108,7 @@ def close(loop: Loop, *transports) -> None:
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_trained_head_reaches_the_engines_bit_for_bit(name, server, tmp_path):
     # p2p refuses an in-process engine: the run's own engine then takes the tensor transport
-    loop = make_loop(tmp_path / "run", f"engine.speculative={HEAD}",
+    loop = make_loop(tmp_path / "run", f"engine.speculative={HEAD}", *VOCAB,
                      f"transport.name={'tensor' if name == 'p2p' else name}")
     c, pm = loop.components, loop.pm
     remote = pm.create("transports", name, pm.registry("transports")[name].config(), out_dir=str(tmp_path / "remote"))
@@ -115,7 +118,8 @@ def test_trained_head_reaches_the_engines_bit_for_bit(name, server, tmp_path):
         client = server.engine()
         remote.sync(c.trainer, [client], loop.version)
         before = weights(loop, PREFIX)
-        assert len(before) == 8  # fc, attn_norm, qkv, o, mlp_norm, gate_up, down, norm
+        # fc, attn_norm, qkv, o, mlp_norm, gate_up, down, norm; draft_vocab, vocab_counts
+        assert len(before) == 10 and int((before[PREFIX + "draft_vocab"] >= 0).sum()) == 16
         assert client.weight_checksums(list(before)) == {n: W.checksum(t) for n, t in before.items()}
         if name != "p2p":
             assert_same(drafting(head, PREFIX), before)
@@ -125,7 +129,8 @@ def test_trained_head_reaches_the_engines_bit_for_bit(name, server, tmp_path):
         after = weights(loop, PREFIX)
         assert sorted(after) == sorted(before)
         assert m["draft_loss"] > 0 and m["weight_version"] == 1
-        assert [n for n in after if torch.equal(after[n], before[n])] == []  # the step trained every tensor
+        # the step trained every tensor, and its rollouts' tokens moved the counts and the subset
+        assert [n for n in after if torch.equal(after[n], before[n])] == []
         if name != "p2p":
             assert_same(drafting(head, PREFIX), after)
             assert c.engine.weight_version == 1

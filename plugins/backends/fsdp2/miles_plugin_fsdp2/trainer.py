@@ -431,6 +431,9 @@ def _draft_training(settings: dict | None, model: torch.nn.Module, algorithm: An
     if mtp_layers(model):
         from miles_mtp.train import MTPTraining
 
+        if cfg.vocab is not None:  # EAGLE-3's reduced vocabulary is the head's: MTP layers keep their own LM head
+            raise MilesError(f"draft.vocab: {cfg.vocab} applies to a draft head; this model's MTP layers score the "
+                             f"whole vocabulary (remove draft.vocab)")
         if cfg.updates_per_step > 1:  # MTPTraining takes one step per RL step
             raise MilesError(f"draft.updates_per_step: {cfg.updates_per_step} applies to a draft head; this "
                              f"model's MTP layers train one update per step (use draft.updates_per_step: 1)")

@@ -46,6 +46,9 @@ def training(settings: dict | None, trainer: Any, hf: torch.nn.Module, algorithm
     from miles_draft.config import DraftConfig
 
     cfg = DraftConfig.model_validate(settings)
+    if cfg.vocab is not None:  # EAGLE-3's reduced vocabulary is the head's: MTP layers keep their own LM head
+        raise MilesError(f"draft.vocab: {cfg.vocab} applies to a draft head; this model's MTP layers score the "
+                         f"whole vocabulary (remove draft.vocab)")
     if cfg.updates_per_step > 1:
         raise MilesError(f"draft.updates_per_step: {cfg.updates_per_step} applies to a draft head; this "
                          f"model's MTP layers train one update per step (use draft.updates_per_step: 1)")
