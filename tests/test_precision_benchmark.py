@@ -10,6 +10,7 @@ def test_quick_table():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "precision.py"), "--quick"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert "training / rollout" in run.stdout and "Traceback" not in run.stdout + run.stderr
     rows = {}
     for line in run.stdout.splitlines()[2:]:
         label, nums = line[:18].strip(), [float(x) for x in line[18:].split()]
