@@ -24,6 +24,7 @@ def scripts(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "cpu_gemm": ([], "weight gradient (MKL)"),
         "dashboard_overhead": ([], "ratio on/off:"),
         "diffusion_sampling": ([], "diffusion_sampling images/s ratio"),
+        "engine_profile": ([], "engine_profile: 1 families profiled"),
         "engine_vs_hf": ([], "engine_vs_hf tokens/s ratio"),
         "grpo_step_vs_trl": ([], "grpo_step_vs_trl:"),
         "launcher_overhead": ([], "launcher_overhead ray/local step time ratio"),
