@@ -142,18 +142,19 @@ def mean_max(d: Any) -> str:
     return f"{float(d.mean()):.3g}/{float(d.max()):.3g}"
 
 
-def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
-    """Engine vs ``generate`` tokens/s and engine vs forward log-probs."""
+def engine_calls(cfg: dict[str, Any], tok: Tok, device: str, dtype: str, P: int, T: int, N: int):
+    """The generic-path engine of a family's random model, its ``P x T`` prompts, and two calls
+    that each produce ``P x N`` tokens on the same model object: ``run_engine`` (the engine, its
+    completions kept in ``out``) and ``run_generate`` (transformers ``generate``, temperature 1,
+    no EOS)."""
     import torch
-    from engine_vs_hf import timed
     from miles import SamplingParams
     from miles_plugin_torch_engine.config import TorchEngineConfig
     from miles_plugin_torch_engine.engine import TorchEngine
 
     torch.manual_seed(0)
-    P, T, N = args.prompts, args.prompt_len, args.new_tokens
-    engine = TorchEngine(TorchEngineConfig(device=args.device, dtype=args.dtype, impl="hf", max_batch_size=P),
-                         spec=make_spec(cfg, False, args.device), tokenizer=tok, seed=0)
+    engine = TorchEngine(TorchEngineConfig(device=device, dtype=dtype, impl="hf", max_batch_size=P),
+                         spec=make_spec(cfg, False, device), tokenizer=tok, seed=0)
     model = engine.model
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -166,7 +167,7 @@ def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
         assert {len(g[0].token_ids) for g in groups} == {tokens}, "the engine stopped early"
         out["completions"] = groups
 
-    ids = prompts.to(args.device)
+    ids = prompts.to(device)
 
     def run_generate(tokens: int = N) -> None:
         with torch.inference_mode():
@@ -175,6 +176,17 @@ def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
                                  min_new_tokens=tokens)
         assert got.shape == (P, T + tokens), got.shape
 
+    return engine, prompts, out, run_engine, run_generate
+
+
+def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
+    """Engine vs ``generate`` tokens/s and engine vs forward log-probs."""
+    import torch
+    from engine_vs_hf import timed
+
+    P, T, N = args.prompts, args.prompt_len, args.new_tokens
+    engine, prompts, out, run_engine, run_generate = engine_calls(cfg, tok, args.device, args.dtype, P, T, N)
+    model = engine.model
     run_engine()  # warm-up at the timed length: a first call at a new length pays one-time costs
     run_generate()
     eng, gen = P * N / timed(run_engine, args.device)[0], P * N / timed(run_generate, args.device)[0]

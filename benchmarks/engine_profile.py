@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -25,16 +24,6 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import architectures as A  # noqa: E402
-
-
-def _timed(fn, cuda: bool) -> float:
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def _syncs(fn) -> collections.Counter:
@@ -52,31 +41,17 @@ def _syncs(fn) -> collections.Counter:
 
 
 def profile_family(family: str, args, device: str) -> None:
-    from miles import SamplingParams
-    from miles_plugin_torch_engine.config import TorchEngineConfig
-    from miles_plugin_torch_engine.engine import TorchEngine
+    from engine_vs_hf import timed
 
     cuda = device.startswith("cuda")
     cfg = A.config(family, A.SHAPES["gpu" if cuda else "tiny"])
-    engine = TorchEngine(TorchEngineConfig(device=device, dtype="bfloat16" if cuda else "float32", impl="hf",
-                                           max_batch_size=args.prompts),
-                         spec=A.make_spec(cfg, False, device), tokenizer=A.Tok(cfg["vocab_size"]), seed=0)
-    model = engine.model
-    model.generation_config.eos_token_id = None  # both sides produce prompts x new-tokens tokens
-    model.generation_config.pad_token_id = 0
-    prompts = torch.randint(1, cfg["vocab_size"], (args.prompts, args.prompt_len),
-                            generator=torch.Generator().manual_seed(0))
-    ids = prompts.to(device)
-    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens, seed=0)
-
-    def gen():
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                           top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
-
-    for name, fn in (("engine", lambda: engine.generate(prompts.tolist(), sp)), ("generate", gen)):
+    _, _, _, run_engine, run_generate = A.engine_calls(cfg, A.Tok(cfg["vocab_size"]), device,
+                                                       "bfloat16" if cuda else "float32", args.prompts,
+                                                       args.prompt_len, args.new_tokens)
+    for name, fn in (("engine", run_engine), ("generate", run_generate)):
         fn()  # warm-up at the timed length: one-time costs (kernel selection, lazy init) stay out
-        print(f"{family} {name}: {_timed(fn, cuda):.3f} s for {args.prompts} x {args.new_tokens} tokens", flush=True)
+        seconds = timed(fn, device)[0]
+        print(f"{family} {name}: {seconds:.3f} s for {args.prompts} x {args.new_tokens} tokens", flush=True)
         if cuda:
             where = _syncs(fn)
             print(f"  syncs: {sum(where.values())}: " + "; ".join(f"{k} x{v}" for k, v in where.most_common(6)))
