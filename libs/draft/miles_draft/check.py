@@ -51,9 +51,10 @@ def vocab_problem(config: Any, raw: dict) -> str | None:
     head refuses it when it is made)."""
     n = raw.get("vocab")
     sizes = [hf["vocab_size"] for hf in model_configs(config) if isinstance(hf.get("vocab_size"), int)]
-    if isinstance(n, int) and not isinstance(n, bool) and sizes and n > sizes[0]:
-        return (f"draft.vocab: {n} is more than the model's vocabulary of {sizes[0]} tokens; use at most "
-                f"{sizes[0]}, or null for all")
+    from .config import vocab_too_big
+
+    if isinstance(n, int) and not isinstance(n, bool) and sizes:
+        return vocab_too_big(n, sizes[0])
     return None
 
 

@@ -6,6 +6,14 @@ from pydantic import BaseModel, ConfigDict, Field
 MIN_VOCAB = 16  # fewer draft tokens than this cover too little of any real text to draft with
 
 
+def vocab_too_big(n: int | None, vocab_size: int) -> str | None:
+    """The error of a ``draft.vocab`` of ``n`` for a model of ``vocab_size`` tokens, or None."""
+    if n is None or n <= vocab_size:
+        return None
+    return (f"draft.vocab: {n} is more than the model's vocabulary of {vocab_size} tokens; use at most "
+            f"{vocab_size}, or null for all")
+
+
 class DraftConfig(BaseModel):
     """``draft:``. The head always learns during supervised steps (the warm start); ``train``
     says whether every RL step trains it too (online) or leaves it as it was (frozen)."""

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import PREFIX
+from .config import vocab_too_big
 
 NAME = PREFIX.rstrip(".")  # the submodule's name on the target model
 
@@ -163,9 +164,9 @@ def make_head(config, device: torch.device, dtype: torch.dtype, draft_vocab: int
 
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if draft_vocab is not None and draft_vocab > config.vocab_size:
-        raise ConfigError([f"draft.vocab: {draft_vocab} is more than the model's vocabulary of "
-                           f"{config.vocab_size} tokens; use at most {config.vocab_size}, or null for all"])
+    too_big = vocab_too_big(draft_vocab, config.vocab_size)
+    if too_big:
+        raise ConfigError([too_big])
     with torch.random.fork_rng(devices=[]):  # the run's own random stream stays as without a draft
         head = DraftHead(config.hidden_size, config.intermediate_size, heads, head_dim,
                          getattr(config, "rms_norm_eps", 1e-6), config.vocab_size, draft_vocab)
