@@ -190,6 +190,13 @@ def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
     run_engine()  # warm-up at the timed length: a first call at a new length pays one-time costs
     run_generate()
     eng, gen = P * N / timed(run_engine, args.device)[0], P * N / timed(run_generate, args.device)[0]
+    eager = "-"
+    if engine._static:  # the same engine without CUDA graphs, over the growing cache
+        engine._static = False
+        run_engine()
+        eager = f"{P * N / timed(run_engine, args.device)[0]:,.0f}"
+        engine._static = True
+        run_engine()  # the completions compared below come from the graphs
     response = torch.tensor([g[0].token_ids for g in out["completions"]])
     with torch.inference_mode():
         logits = model(input_ids=torch.cat([prompts, response], 1).to(args.device), use_cache=False).logits
@@ -197,6 +204,7 @@ def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
     diff = (ref.cpu() - torch.tensor([g[0].logprobs for g in out["completions"]])).abs()
     params = sum(p.numel() for p in model.parameters())
     return {"params": f"{params / 1e6:,.{0 if params > 1e8 else 2}f}M", "engine tok/s": f"{eng:,.0f}",
+            "eager tok/s": eager,
             "generate tok/s": f"{gen:,.0f}", "ratio": f"{eng / gen:.2f}x", "|dlogp| mean/max": mean_max(diff)}
 
 
@@ -259,8 +267,8 @@ def measure(family: str, args) -> dict[str, str]:
     return row
 
 
-COLUMNS = ("params", "engine tok/s", "generate tok/s", "ratio", "|dlogp| mean/max", "fsdp2 tok/s", "fsdp2 MFU",
-           "megatron tok/s", "megatron MFU", "R3 off mean/max", "R3 on mean/max")
+COLUMNS = ("params", "engine tok/s", "eager tok/s", "generate tok/s", "ratio", "|dlogp| mean/max", "fsdp2 tok/s",
+           "fsdp2 MFU", "megatron tok/s", "megatron MFU", "R3 off mean/max", "R3 on mean/max")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,12 +45,24 @@ def profile_family(family: str, args, device: str) -> None:
 
     cuda = device.startswith("cuda")
     cfg = A.config(family, A.SHAPES["gpu" if cuda else "tiny"])
-    _, _, _, run_engine, run_generate = A.engine_calls(cfg, A.Tok(cfg["vocab_size"]), device,
-                                                       "bfloat16" if cuda else "float32", args.prompts,
-                                                       args.prompt_len, args.new_tokens)
-    for name, fn in (("engine", run_engine), ("generate", run_generate)):
+    engine, _, _, run_engine, run_generate = A.engine_calls(cfg, A.Tok(cfg["vocab_size"]), device,
+                                                            "bfloat16" if cuda else "float32", args.prompts,
+                                                            args.prompt_len, args.new_tokens)
+    static = engine._static  # CUDA graphs over a static cache, where the family has one
+
+    def run_eager() -> None:  # the same engine over the growing cache, no graphs
+        engine._static = False
+        try:
+            run_engine()
+        finally:
+            engine._static = static
+
+    times = {}
+    for name, fn in (("engine", run_engine), ("engine eager", run_eager), ("generate", run_generate)):
+        if name == "engine eager" and not static:
+            continue
         fn()  # warm-up at the timed length: one-time costs (kernel selection, lazy init) stay out
-        seconds = timed(fn, device)[0]
+        seconds = times[name] = timed(fn, device)[0]
         print(f"{family} {name}: {seconds:.3f} s for {args.prompts} x {args.new_tokens} tokens", flush=True)
         if cuda:
             where = _syncs(fn)
@@ -65,6 +77,10 @@ def profile_family(family: str, args, device: str) -> None:
               f"GPU busy {sum(e.self_device_time_total for e in ka) / 1e3:.1f} ms")
         if args.table:
             print(ka.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=45))
+    ratios = [f"engine {times['generate'] / times['engine']:.2f}x generate"]
+    if "engine eager" in times:
+        ratios.append(f"CUDA graphs {times['engine eager'] / times['engine']:.2f}x eager")
+    print(f"{family}: " + ", ".join(ratios), flush=True)
 
 
 def main() -> None:

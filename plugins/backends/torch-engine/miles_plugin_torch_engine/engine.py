@@ -9,6 +9,7 @@ import torch
 from miles import Completion, MilesError, SamplingParams
 
 from .config import TorchEngineConfig
+from .hf_graphs import MIN_STEPS, GraphStep, static_cache, static_layers
 from .weights import WeightReceiver
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -157,6 +158,10 @@ class TorchEngine(WeightReceiver):
             arch.engine_attention(self.model)
         if self._equal_lengths and self._fast is not None:
             raise ValueError("torch engine: this architecture runs the model's own forward; set engine.impl=hf")
+        # the model's own forward on CUDA decodes over a static cache, its step replayed from a CUDA
+        # graph (hf_graphs.py); routing records and MTP drafts run eagerly over the growing cache
+        self._static = (cfg.cuda_graphs and self.device.type == "cuda" and self._fast is None
+                        and self._routing is None and static_layers(self.model))
         self._p2p: Any = None
         # the model's own forward path's load (the fast paths keep their own: FastGenerator.load):
         # rows of the chunk generating, rows of the call waiting, tokens of the chunks done
@@ -286,15 +291,23 @@ class TorchEngine(WeightReceiver):
         # prompts of one length pad nothing: without a mask transformers' mask builders skip the
         # host read of whether every mask entry is 1, once per forward (as generate drops an all-ones mask)
         padded = len({len(p) for p in prompts}) > 1
-        out = self._forward(ids, mask if padded else None, pos, **self._keep_last)
+        rows, width = ids.shape[0] * n, ids.shape[1]
+        static = self._static and steps >= MIN_STEPS
+        if static:
+            out = self._forward(ids, mask if padded else None, pos, static_cache(self.model, width + steps),
+                                **self._keep_last)
+        else:
+            out = self._forward(ids, mask if padded else None, pos, **self._keep_last)
         cache = _repeat_cache(getattr(out, self._cache_kw), n, ids.shape[0], self.device)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
-        rows, width = ids.shape[0] * n, ids.shape[1]
         full_mask = None
         if padded:  # the mask only ever grows by ones, so preallocate it and hand the model a growing view
             full_mask = mask.new_ones((rows, width + steps))
             full_mask[:, :width] = mask.repeat_interleave(n, dim=0)
         pos = pos[:, -1:].repeat_interleave(n, dim=0)
+        graph = None
+        if static:  # a static cache spans every position: the whole mask, from one fixed buffer
+            graph = GraphStep(lambda tok, pos: self._forward(tok, full_mask, pos, cache).logits[:, -1])
         tokens = torch.empty((rows, steps), dtype=torch.long, device=self.device)
         logps = torch.empty((rows, steps), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -311,6 +324,9 @@ class TorchEngine(WeightReceiver):
                 aborted = True
                 break
             pos = pos + 1
+            if graph is not None:
+                logits = graph(tok[:, None], pos)
+                continue
             out = self._forward(tok[:, None], None if full_mask is None else full_mask[:, :width + t + 1], pos, cache)
             logits = out.logits[:, -1]
         return self._completions(tokens[:, :t + 1], logps[:, :t + 1], lengths, done, aborted)

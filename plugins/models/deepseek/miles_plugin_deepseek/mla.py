@@ -40,7 +40,7 @@ def absorb(model: torch.nn.Module) -> int:
 def _forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
              attention_mask: Any, cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     full = type(self).forward
-    if cache is None or cache.get_seq_length(self.layer_idx) == 0:
+    if cache is None or not _holds_tokens(cache, self.layer_idx):
         return full(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
         # an attention backend's own mask format (flash's 2-D padding mask, flex's block mask)
@@ -91,6 +91,17 @@ def _forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch
     out = out.view(heads, batch, length, self.v_head_dim).permute(1, 2, 0, 3)
     out = out.reshape(batch, length, heads * self.v_head_dim)
     return self.o_proj(out), None
+
+
+def _holds_tokens(cache: Any, layer: int) -> bool:
+    """Whether ``cache`` holds tokens for ``layer``, read on the host: a static layer's fill level
+    is a device tensor (a CUDA graph replays it), but it holds tokens from its first update on."""
+    from transformers.cache_utils import StaticLayer
+
+    held = cache.layers[layer]
+    if isinstance(held, StaticLayer):
+        return held.is_initialized
+    return cache.get_seq_length(layer) > 0
 
 
 def _kv_b_weight(proj: torch.nn.Module, rank: int, dtype: torch.dtype) -> torch.Tensor:

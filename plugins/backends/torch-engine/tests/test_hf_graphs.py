@@ -1,0 +1,84 @@
+"""The model's own forward decoding over a static cache (``hf_graphs.py``), the path whose decode
+step a CUDA GPU replays from a graph. On CPU the same static-cache step runs eagerly, so this checks
+what the graph records: for every frontier family it must sample exactly what the growing cache
+samples (left-padded prompts, several samples each, sliding windows and sparse-attention top-k
+exceeded), and its steps must read nothing from the device but the engine's stop check."""
+from __future__ import annotations
+
+import pytest
+from miles import SamplingParams, make_plugin_manager
+from miles.testing import PROMPTS, char_tokenizer, lively_weights, model_spec
+from miles.testing.syncs import syncs_per_step
+from miles_tinypolicy.frontier import FAMILIES, frontier_config
+
+from miles_plugin_torch_engine.config import TorchEngineConfig
+from miles_plugin_torch_engine.engine import TorchEngine
+from miles_plugin_torch_engine.hf_graphs import MIN_STEPS, static_cache, static_layers
+
+STATIC = [f for f in FAMILIES if f != "deepseek_v4"]
+EQUAL = [[2, 5, 6, 7, 8, 9], [2, 9, 8, 7, 6, 5]]
+CHECK_EVERY = 4
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return make_plugin_manager()
+
+
+def _engine(pm, config, replay: bool = False) -> TorchEngine:
+    engine = TorchEngine(TorchEngineConfig(impl="hf"), spec=model_spec(config, pm=pm, replay=replay),
+                         tokenizer=char_tokenizer(), seed=0)
+    engine.load_weights(lively_weights(engine.model), version=1)
+    engine.eos_id = None
+    return engine
+
+
+def _configs():
+    # GLM-5 with an indexer top-k of 3: every decode step keeps fewer keys than the cache holds, so
+    # the static cache's not yet written positions must never win the top-k
+    dsa = dict(frontier_config("glm_moe_dsa"), index_topk=3)
+    return [pytest.param(frontier_config(f), id=f) for f in STATIC] + [pytest.param(dsa, id="glm_moe_dsa-topk3")]
+
+
+@pytest.mark.parametrize("config", _configs())
+def test_static_cache_samples_what_the_growing_cache_samples(config, pm, single_thread):
+    engine = _engine(pm, config)
+    assert static_layers(engine.model)
+    assert not engine._static, "CPU decodes over the growing cache unless told otherwise"
+    prompts = EQUAL if engine._equal_lengths else [list(p) for p in PROMPTS]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    growing = engine.generate(prompts, params, n=2)
+    engine._static = True
+    static = engine.generate(prompts, params, n=2)
+    for gs, ss in zip(growing, static):
+        for g, s in zip(gs, ss):
+            assert g.token_ids == s.token_ids
+            assert max(abs(a - b) for a, b in zip(g.logprobs, s.logprobs)) < 1e-5
+    # the static step reads nothing from the device: only the engine's stop check, every few steps
+    engine.check_every = CHECK_EVERY
+
+    def run(tokens: int) -> None:
+        engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens), n=2)
+
+    count, extra = syncs_per_step(run, MIN_STEPS + 1, MIN_STEPS + 1 + 2 * CHECK_EVERY)
+    assert count <= 1 / CHECK_EVERY, f"{config['model_type']}: {count} syncs per static decode step: {extra.by_site()}"
+
+
+def test_sliding_layers_keep_every_position(pm):
+    """gpt-oss's sliding layers get full-length static layers (the window is the mask's), so no
+    layer's fill level lives on the host, where a replayed graph would not update it."""
+    from transformers.cache_utils import StaticLayer
+
+    engine = _engine(pm, frontier_config("gpt_oss"))
+    cache = static_cache(engine.model, 40)
+    assert len(cache.layers) == engine.model.config.num_hidden_layers
+    assert all(type(layer) is StaticLayer for layer in cache.layers)
+
+
+def test_which_engines_decode_over_a_static_cache(pm):
+    """DeepSeek-V4's compressed attention has no static cache layer in transformers, and routing
+    records are taken eagerly: both keep the growing cache, on any device."""
+    v4 = _engine(pm, frontier_config("deepseek_v4"))
+    assert not static_layers(v4.model)
+    assert static_layers(_engine(pm, frontier_config("qwen3_next")).model)
+    assert not _engine(pm, frontier_config("glm4_moe"), replay=True)._static
