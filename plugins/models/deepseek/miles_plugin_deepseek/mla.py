@@ -98,7 +98,7 @@ def _holds_tokens(cache: Any, layer: int) -> bool:
     is a device tensor (a CUDA graph replays it), but it holds tokens from its first update on."""
     from transformers.cache_utils import StaticLayer
 
-    held = cache.layers[layer]
+    held = cache.layers[layer] if layer < len(cache.layers) else None  # MTP layers come after the model's
     if isinstance(held, StaticLayer):
         return held.is_initialized
     return cache.get_seq_length(layer) > 0
