@@ -648,6 +648,18 @@ class RoutingRecorder(Protocol):
 
 
 @runtime_checkable
+class RecordsGraphReplays(Protocol):
+    """A ``RoutingRecorder`` that follows forwards replayed from a CUDA graph (no hook runs in a
+    replay): ``mark()`` (the log's length now), ``split_off(mark)`` (removes and returns the entries
+    logged since ``mark``: a capture's, whose tensors are the graph's own output buffers), and
+    ``log_copies(entries)`` (logs a copy of them, after each replay overwrote them)."""
+
+    def mark(self) -> int: ...
+    def split_off(self, mark: int) -> list["torch.Tensor"]: ...
+    def log_copies(self, entries: list["torch.Tensor"]) -> None: ...
+
+
+@runtime_checkable
 class RecordsRouting(Protocol):
     """A model spec whose mixture-of-experts models can record the experts each token is routed to
     (rollout routing replay, R3): ``routing_recorder(model)``, a ``RoutingRecorder``. An engine returns a

@@ -150,7 +150,7 @@ class TorchEngine(WeightReceiver):
             raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
         # an architecture whose layers do not mask left padding (e.g. token compression by absolute
         # position) batches only prompts of equal length, which need no padding at all
-        from miles.protocols import KnowsArchitecture, OffersEngineAttention
+        from miles.protocols import KnowsArchitecture, OffersEngineAttention, RecordsGraphReplays
 
         arch = spec.architecture() if isinstance(spec, KnowsArchitecture) else None
         self._equal_lengths = arch is not None and not arch.padded_batches
@@ -159,9 +159,11 @@ class TorchEngine(WeightReceiver):
         if self._equal_lengths and self._fast is not None:
             raise ValueError("torch engine: this architecture runs the model's own forward; set engine.impl=hf")
         # the model's own forward on CUDA decodes over a static cache, its step replayed from a CUDA
-        # graph (hf_graphs.py); routing records and MTP drafts run eagerly over the growing cache
+        # graph (hf_graphs.py), routing records copied out of the graph after each replay; MTP drafts
+        # run eagerly over the growing cache
         self._static = (cfg.cuda_graphs and self.device.type == "cuda" and self._fast is None
-                        and self._routing is None and static_layers(self.model))
+                        and (self._routing is None or isinstance(self._routing.recorder, RecordsGraphReplays))
+                        and static_layers(self.model))
         self._p2p: Any = None
         # the model's own forward path's load (the fast paths keep their own: FastGenerator.load):
         # rows of the chunk generating, rows of the call waiting, tokens of the chunks done
@@ -307,7 +309,8 @@ class TorchEngine(WeightReceiver):
         pos = pos[:, -1:].repeat_interleave(n, dim=0)
         graph = None
         if static:  # a static cache spans every position: the whole mask, from one fixed buffer
-            graph = GraphStep(lambda tok, pos: self._forward(tok, full_mask, pos, cache).logits[:, -1])
+            graph = GraphStep(lambda tok, pos: self._forward(tok, full_mask, pos, cache).logits[:, -1],
+                              None if self._routing is None else self._routing.recorder)
         tokens = torch.empty((rows, steps), dtype=torch.long, device=self.device)
         logps = torch.empty((rows, steps), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)

@@ -57,8 +57,10 @@ class GraphStep:
     after it, and replayed from then on. The inputs are copied into fixed buffers at each call; the
     logits returned are the graph's own buffer, valid until the next call."""
 
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], recorder: Any = None):
         self.forward = forward
+        # a miles.protocols.RecordsGraphReplays recorder: the captured routers' outputs, logged per replay
+        self.recorder, self.routed = recorder, []
         self.tok = self.pos = self.logits = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.forward_eager = False
@@ -70,6 +72,8 @@ class GraphStep:
             self.tok.copy_(tok)
             self.pos.copy_(pos)
             self.graph.replay()
+            if self.recorder is not None:
+                self.recorder.log_copies(self.routed)
             return self.logits
         self.tok, self.pos = tok.clone(), pos.clone()
         device = tok.device
@@ -79,13 +83,18 @@ class GraphStep:
             first = self.forward(self.tok, self.pos)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        mark = self.recorder.mark() if self.recorder is not None else 0
         try:
             with torch.cuda.graph(graph):  # records the next step; nothing runs until replay
                 self.logits = self.forward(self.tok, self.pos)
         except RuntimeError as e:  # a layer that reads device data on the host cannot be captured
+            if self.recorder is not None:
+                self.recorder.split_off(mark)  # the failed capture's routers computed nothing
             _log.warning("torch engine: the decode step could not be captured as a CUDA graph (%s); "
                          "this chunk decodes eagerly (engine.cuda_graphs: false skips the capture)", e)
             self.forward_eager = True
             return first
+        if self.recorder is not None:  # the capture's routing entries are the graph's buffers, not a step
+            self.routed = self.recorder.split_off(mark)
         self.graph = graph
         return first

@@ -76,9 +76,51 @@ def test_sliding_layers_keep_every_position(pm):
 
 
 def test_which_engines_decode_over_a_static_cache(pm):
-    """DeepSeek-V4's compressed attention has no static cache layer in transformers, and routing
-    records are taken eagerly: both keep the growing cache, on any device."""
+    """DeepSeek-V4's compressed attention has no static cache layer in transformers: it keeps the
+    growing cache on any device. On CPU every family does (a static cache gains nothing there)."""
     v4 = _engine(pm, frontier_config("deepseek_v4"))
     assert not static_layers(v4.model)
-    assert static_layers(_engine(pm, frontier_config("qwen3_next")).model)
-    assert not _engine(pm, frontier_config("glm4_moe"), replay=True)._static
+    qwen = _engine(pm, frontier_config("qwen3_next"))
+    assert static_layers(qwen.model) and not qwen._static
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_next"])
+def test_routing_records_of_the_static_path(family, pm, single_thread):
+    """R3 over the static cache records what the growing cache records, row for row."""
+    engine = _engine(pm, frontier_config(family), replay=True)
+    prompts = [list(p) for p in PROMPTS]
+    params = SamplingParams(temperature=1.0, max_new_tokens=MIN_STEPS + 3, seed=5)
+    growing = engine.generate(prompts, params, n=2)
+    engine._static = True
+    static = engine.generate(prompts, params, n=2)
+    key = engine._routing.recorder.extension
+    for gs, ss in zip(growing, static):
+        for g, s in zip(gs, ss):
+            assert g.token_ids == s.token_ids
+            assert g.extras[key]["routed_experts"].equal(s.extras[key]["routed_experts"])
+
+
+def test_a_graph_capture_s_routing_entries_are_split_off_and_copied_per_replay(pm):
+    """What the engine does around a capture (``GraphStep``), on CPU tensors: the entries logged
+    during the capture leave the log, and each replay logs a copy of them (the graph overwrites its
+    buffers at the next replay)."""
+    import torch
+    from miles.protocols import RecordsGraphReplays
+
+    engine = _engine(pm, frontier_config("glm4_moe"), replay=True)
+    rec = engine._routing.recorder
+    assert isinstance(rec, RecordsGraphReplays)
+    ids = torch.tensor([[2, 5, 6, 7]])
+    with rec.recording(), torch.no_grad():
+        engine.model(input_ids=ids)
+        mark = rec.mark()
+        engine.model(input_ids=ids)  # stands in for the capture
+        captured = rec.split_off(mark)
+        assert rec.mark() == mark and len(captured) == mark  # one entry per MoE layer
+        for fill in (1, 2):  # two replays, each overwriting the buffers
+            for t in captured:
+                t.fill_(fill)
+            rec.log_copies(captured)
+    forwards = rec.take()
+    assert len(forwards) == 3
+    assert forwards[1].eq(1).all() and forwards[2].eq(2).all()

@@ -68,3 +68,33 @@ def test_graph_replayed_decoding_matches_transformers(family, dtype, pm, replays
     engine.load_weights(lively_weights(engine.model, seed=2), version=2)
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
     assert _worst(engine, prompts, outs) < (1e-4 if dtype == "float32" else 0.15)
+
+
+@pytest.mark.parametrize("family", STATIC)
+def test_routing_records_come_out_of_the_graph(family, pm, replays):
+    """R3 with the decode step replayed: each completion's record equals the experts a cache-less
+    forward of its tokens routes to (float32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = TorchEngine(TorchEngineConfig(impl="hf", device="cuda", dtype="float32"),
+                         spec=model_spec(frontier_config(family), pm=pm, replay=True),
+                         tokenizer=char_tokenizer(), seed=0)
+    engine.load_weights(lively_weights(engine.model), version=1)
+    engine.eos_id = None
+    assert engine._static
+    prompts = [[2, 5, 6, 7, 8, 9], [2, 9, 8, 7, 6, 5]] if engine._equal_lengths else [list(p) for p in PROMPTS]
+    tokens = 12
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
+    assert replays["n"] == tokens - 2
+    rec = engine._routing.recorder
+    mismatched = total = 0
+    for prompt, comps in zip(prompts, outs):
+        for c in comps:
+            with rec.recording(), torch.inference_mode():
+                engine.model(input_ids=torch.tensor([list(prompt) + c.token_ids[:-1]], device="cuda"), use_cache=False)
+            (want,) = rec.take()
+            got = c.extras[rec.extension]["routed_experts"]
+            assert got.shape == want.shape
+            mismatched += int((got.sort(-1).values != want.sort(-1).values).any(-1).sum())
+            total += want.shape[0] * want.shape[1]
+    print(f"{family}: {mismatched} of {total} routed (token, layer) pairs differ from the cache-less forward")
+    assert mismatched <= total // 100  # float32 near-ties between experts may flip a rare one

@@ -50,6 +50,18 @@ class RoutingState:
         finally:
             self.mode = "route"
 
+    def mark(self) -> int:
+        return len(self.log)
+
+    def split_off(self, mark: int) -> list[torch.Tensor]:
+        entries, self.log = self.log[mark:], self.log[:mark]
+        return entries
+
+    def log_copies(self, entries: list[torch.Tensor]) -> None:
+        """One copy of every entry (a single kernel: they are one forward's, of one shape)."""
+        if entries:
+            self.log.extend(torch.stack(entries).unbind(0))
+
     def take(self) -> list[torch.Tensor]:
         """Per recorded forward, ``[tokens, layers, top_k]`` int32 expert ids (CPU)."""
         log, self.log = self.log, []

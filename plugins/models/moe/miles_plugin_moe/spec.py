@@ -91,6 +91,16 @@ class RoutingRecorder:
     def take(self) -> list[torch.Tensor]:
         return self.state.take()
 
+    # miles.protocols.RecordsGraphReplays: the engine's decode steps replayed from a CUDA graph
+    def mark(self) -> int:
+        return self.state.mark()
+
+    def split_off(self, mark: int) -> list[torch.Tensor]:
+        return self.state.split_off(mark)
+
+    def log_copies(self, entries: list[torch.Tensor]) -> None:
+        self.state.log_copies(entries)
+
 
 class R3Spec(MoESpec):
     """A mixture-of-experts model with rollout routing replay."""
