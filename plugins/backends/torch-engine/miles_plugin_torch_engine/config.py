@@ -77,7 +77,9 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
         None, ge=2, description="fast path: KV-cache positions per sequence (prompt + new tokens); "
         "unset: sized from the first request and grown when a longer one comes")
     cuda_graphs: bool = Field(
-        True, description="fast path: replay the decode step from CUDA graphs (one per batch/length bucket)")
+        True, description="replay the decode step from CUDA graphs: the fast path's, one per batch/length "
+        "bucket; the model's own forward's (impl: hf), one per generate chunk over a static cache, for "
+        "architectures whose every layer has a static cache layer in transformers (not DeepSeek-V4)")
     cpu_workers: Optional[int] = Field(
         None, ge=1, description="fast path on CPU: decode steps split their rows among this many "
         "worker threads of one intra-op thread each (steps too small to gain from it stay on one); unset: "
