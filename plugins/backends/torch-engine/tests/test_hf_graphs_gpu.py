@@ -35,6 +35,20 @@ def replays(monkeypatch):
     return count
 
 
+def _engine(pm, family: str, dtype: str, replay: bool = False) -> tuple[TorchEngine, list[list[int]]]:
+    """The family's engine on CUDA (TF32 off) and its prompts: left-padded where it batches padding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    engine = TorchEngine(TorchEngineConfig(impl="hf", device="cuda", dtype=dtype),
+                         spec=model_spec(frontier_config(family), pm=pm, replay=replay),
+                         tokenizer=char_tokenizer(), seed=0)
+    engine.load_weights(lively_weights(engine.model), version=1)
+    engine.eos_id = None
+    assert engine._static
+    prompts = [[2, 5, 6, 7, 8, 9], [2, 9, 8, 7, 6, 5]] if engine._equal_lengths else [list(p) for p in PROMPTS]
+    return engine, prompts
+
+
 def _worst(engine: TorchEngine, prompts, outs) -> float:
     worst = 0.0
     with torch.inference_mode():
@@ -50,14 +64,7 @@ def _worst(engine: TorchEngine, prompts, outs) -> float:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", STATIC)
 def test_graph_replayed_decoding_matches_transformers(family, dtype, pm, replays):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    engine = TorchEngine(TorchEngineConfig(impl="hf", device="cuda", dtype=dtype),
-                         spec=model_spec(frontier_config(family), pm=pm), tokenizer=char_tokenizer(), seed=0)
-    engine.load_weights(lively_weights(engine.model), version=1)
-    engine.eos_id = None
-    assert engine._static
-    prompts = [[2, 5, 6, 7, 8, 9], [2, 9, 8, 7, 6, 5]] if engine._equal_lengths else [list(p) for p in PROMPTS]
+    engine, prompts = _engine(pm, family, dtype)
     tokens = 16
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
     assert replays["n"] == tokens - 2, "the decode steps after the first were not replayed from a graph"
@@ -74,14 +81,7 @@ def test_graph_replayed_decoding_matches_transformers(family, dtype, pm, replays
 def test_routing_records_come_out_of_the_graph(family, pm, replays):
     """R3 with the decode step replayed: each completion's record equals the experts a cache-less
     forward of its tokens routes to (float32)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    engine = TorchEngine(TorchEngineConfig(impl="hf", device="cuda", dtype="float32"),
-                         spec=model_spec(frontier_config(family), pm=pm, replay=True),
-                         tokenizer=char_tokenizer(), seed=0)
-    engine.load_weights(lively_weights(engine.model), version=1)
-    engine.eos_id = None
-    assert engine._static
-    prompts = [[2, 5, 6, 7, 8, 9], [2, 9, 8, 7, 6, 5]] if engine._equal_lengths else [list(p) for p in PROMPTS]
+    engine, prompts = _engine(pm, family, "float32", replay=True)
     tokens = 12
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
     assert replays["n"] == tokens - 2
