@@ -25,14 +25,18 @@ trainer: {name: fsdp2, lr: 1.0e-3}
 run: {steps: STEPS, out_dir: OUT, eval_every: 3, checkpoint_every: 2, threads: 1,
       telemetry: {devices_every: 0.5, samples: 3}}
 """
-# a launch-time plugin that slows each step down, so two looks at the page are steps apart
+# a launch-time plugin that slows each step down, so two looks at the page are steps apart, and
+# holds the run at a step's end while a HOLD file lies beside it (a test looks at the page meanwhile)
 PACE = """
 import time
+from pathlib import Path
 from miles import hookimpl
 
 @hookimpl
 def miles_on_step_end(step, metrics):
     time.sleep(0.6)
+    while Path(__file__).with_name("HOLD").exists():
+        time.sleep(0.1)
 """
 EVIL = "from pathlib import Path\nPath(__file__).with_name('IMPORTED').write_text('ran')\n"
 

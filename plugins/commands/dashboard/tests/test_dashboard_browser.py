@@ -35,7 +35,12 @@ def near(img: np.ndarray, rgb, tol=30) -> int:
 def test_live_run_grows_with_timeline_and_coloured_tokens(dashboard):
     env, live = dashboard, dashboard["live"]
     env["wait_for"](lambda: env["steps_logged"](live) >= 4, 180, "the live run's first steps")
-    dom1, img1 = dump(env), shot(env, "early.png")
+    hold = env["root"] / "HOLD"  # the run waits at its next step's end: a slow first look leaves it steps to go
+    hold.touch()
+    try:
+        dom1, img1 = dump(env), shot(env, "early.png")
+    finally:
+        hold.unlink()
     first = points(dom1, "reward_mean")[0]
     env["wait_for"](lambda: env["steps_logged"](live) >= first + 5, 120, "more steps")
     dom2, img2 = dump(env), shot(env, "later.png")
