@@ -35,11 +35,12 @@ def replays(monkeypatch):
     return count
 
 
-def _engine(pm, family: str, dtype: str, replay: bool = False) -> tuple[TorchEngine, list[list[int]]]:
+def _engine(pm, family: str, dtype: str, replay: bool = False,
+            weights: str = "model") -> tuple[TorchEngine, list[list[int]]]:
     """The family's engine on CUDA (TF32 off) and its prompts: left-padded where it batches padding."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    engine = TorchEngine(TorchEngineConfig(impl="hf", device="cuda", dtype=dtype),
+    engine = TorchEngine(TorchEngineConfig(impl="hf", device="cuda", dtype=dtype, weights_dtype=weights),
                          spec=model_spec(frontier_config(family), pm=pm, replay=replay),
                          tokenizer=char_tokenizer(), seed=0)
     engine.load_weights(lively_weights(engine.model), version=1)
@@ -98,3 +99,16 @@ def test_routing_records_come_out_of_the_graph(family, pm, replays):
             total += want.shape[0] * want.shape[1]
     print(f"{family}: {mismatched} of {total} routed (token, layer) pairs differ from the cache-less forward")
     assert mismatched <= total // 100  # float32 near-ties between experts may flip a rare one
+
+
+@pytest.mark.parametrize("weights", ["fp8", "int4", "mxfp8"])
+def test_low_precision_weights_replay_too(weights, pm, replays):
+    """The engine's quantized linears and experts (``engine.weights_dtype``) inside the graph: the
+    log-probs equal the same quantized model's cache-less forward."""
+    engine, prompts = _engine(pm, "glm4_moe", "bfloat16", weights=weights)
+    tokens = 12
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
+    assert replays["n"] == tokens - 2
+    worst = _worst(engine, prompts, outs)
+    print(f"glm4_moe {weights}: max |engine - its cache-less forward| log-prob {worst:.2e}")
+    assert worst < 0.15
