@@ -125,3 +125,45 @@ def test_a_graph_capture_s_routing_entries_are_split_off_and_copied_per_replay(p
     forwards = rec.take()
     assert len(forwards) == 3
     assert forwards[1].eq(1).all() and forwards[2].eq(2).all()
+
+
+def _host_state(cache) -> list:
+    """What a replayed graph cannot follow: each cache layer's host values (ints, bools, None) and
+    the addresses of its tensors, nested lists and dicts included."""
+    import torch
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", value.data_ptr(), tuple(value.shape))
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    return [{k: walk(v) for k, v in vars(layer).items()} for layer in cache.layers]
+
+
+@pytest.mark.parametrize("family", STATIC)
+def test_decode_steps_change_no_host_state_of_the_cache(family, pm, single_thread):
+    """A graph replays the step it captured: the same control flow, the same tensor addresses. So
+    from the first decode step on, no step may change a cache layer's host values (a fill level
+    kept as a Python int, a flag) or re-allocate one of its tensors."""
+    import torch
+
+    engine = _engine(pm, frontier_config(family))
+    ids = torch.tensor([[0, 0, 2, 5, 6, 7], [2, 9, 8, 7, 6, 5]])
+    mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
+    full = torch.ones(2, 6 + 8, dtype=torch.long)
+    full[:, :6] = mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = static_cache(engine.model, 6 + 8)
+    with torch.no_grad():
+        out = engine._forward(ids, mask, pos, cache)
+        tok, last = out.logits[:, -1].argmax(-1, keepdim=True), pos[:, -1:]
+        states = []
+        for _ in range(4):
+            last = last + 1
+            tok = engine._forward(tok, full, last, cache).logits[:, -1].argmax(-1, keepdim=True)
+            states.append(_host_state(cache))
+    assert all(s == states[0] for s in states[1:]), f"{family}: a decode step changed the cache's host state"
