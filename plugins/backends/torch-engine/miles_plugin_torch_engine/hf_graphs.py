@@ -85,7 +85,9 @@ class GraphStep:
         graph = torch.cuda.CUDAGraph()
         mark = self.recorder.mark() if self.recorder is not None else 0
         try:
-            with torch.cuda.graph(graph):  # records the next step; nothing runs until replay
+            # records the next step, nothing runs until replay; thread_local: CUDA calls of other
+            # threads meanwhile (a server's, a device-telemetry sampler's) do not void the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.logits = self.forward(self.tok, self.pos)
         except RuntimeError as e:  # a layer that reads device data on the host cannot be captured
             if self.recorder is not None:
