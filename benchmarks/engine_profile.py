@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Where the engine's generic path (``impl: hf``) spends a generate call, per architecture, against
 transformers ``generate`` on the same model object and prompts, and on CUDA against the same engine
-without its CUDA graphs (over the growing cache): wall time after one warm-up call of the same length, host synchronisations (CUDA sync debug mode, counted by ``file:line``), aten calls,
-kernel launches and GPU busy time (torch profiler), and the profiler's top host ops.
+without its CUDA graphs (over the growing cache): wall time after one warm-up call of the same
+length, host synchronisations (CUDA sync debug mode, counted by ``file:line``), aten calls, kernel
+launches and GPU busy time (torch profiler), and the profiler's top host ops.
 
     python benchmarks/engine_profile.py [--families qwen3_next,glm_moe_dsa] [--prompts 8]
         [--prompt-len 64] [--new-tokens 24] [--table]
