@@ -27,13 +27,14 @@ The last line reads ``architectures: N/M families measured``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks' helpers
 
@@ -179,6 +180,16 @@ def engine_calls(cfg: dict[str, Any], tok: Tok, device: str, dtype: str, P: int,
     return engine, prompts, out, run_engine, run_generate
 
 
+@contextlib.contextmanager
+def without_graphs(engine: Any) -> Iterator[None]:
+    """The engine decodes over the growing cache, without CUDA graphs, inside."""
+    static, engine._static = engine._static, False
+    try:
+        yield
+    finally:
+        engine._static = static
+
+
 def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
     """Engine vs ``generate`` tokens/s and engine vs forward log-probs."""
     import torch
@@ -192,10 +203,9 @@ def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
     eng, gen = P * N / timed(run_engine, args.device)[0], P * N / timed(run_generate, args.device)[0]
     eager = "-"
     if engine._static:  # the same engine without CUDA graphs, over the growing cache
-        engine._static = False
-        run_engine()
-        eager = f"{P * N / timed(run_engine, args.device)[0]:,.0f}"
-        engine._static = True
+        with without_graphs(engine):
+            run_engine()
+            eager = f"{P * N / timed(run_engine, args.device)[0]:,.0f}"
         run_engine()  # the completions compared below come from the graphs
     response = torch.tensor([g[0].token_ids for g in out["completions"]])
     with torch.inference_mode():

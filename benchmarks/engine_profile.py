@@ -49,18 +49,14 @@ def profile_family(family: str, args, device: str) -> None:
     engine, _, _, run_engine, run_generate = A.engine_calls(cfg, A.Tok(cfg["vocab_size"]), device,
                                                             "bfloat16" if cuda else "float32", args.prompts,
                                                             args.prompt_len, args.new_tokens)
-    static = engine._static  # CUDA graphs over a static cache, where the family has one
 
     def run_eager() -> None:  # the same engine over the growing cache, no graphs
-        engine._static = False
-        try:
+        with A.without_graphs(engine):
             run_engine()
-        finally:
-            engine._static = static
 
     times = {}
     for name, fn in (("engine", run_engine), ("engine eager", run_eager), ("generate", run_generate)):
-        if name == "engine eager" and not static:
+        if name == "engine eager" and not engine._static:  # no CUDA graphs for this family (or on CPU)
             continue
         fn()  # warm-up at the timed length: one-time costs (kernel selection, lazy init) stay out
         seconds = times[name] = timed(fn, device)[0]

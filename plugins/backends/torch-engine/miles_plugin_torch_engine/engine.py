@@ -295,11 +295,8 @@ class TorchEngine(WeightReceiver):
         padded = len({len(p) for p in prompts}) > 1
         rows, width = ids.shape[0] * n, ids.shape[1]
         static = self._static and steps >= MIN_STEPS
-        if static:
-            out = self._forward(ids, mask if padded else None, pos, static_cache(self.model, width + steps),
-                                **self._keep_last)
-        else:
-            out = self._forward(ids, mask if padded else None, pos, **self._keep_last)
+        out = self._forward(ids, mask if padded else None, pos,
+                            static_cache(self.model, width + steps) if static else None, **self._keep_last)
         cache = _repeat_cache(getattr(out, self._cache_kw), n, ids.shape[0], self.device)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         full_mask = None
