@@ -76,9 +76,11 @@ class FastGenerator:
     """``generate`` for Llama-family models: KV cache allocated once, continuous batching, CUDA
     graphs for decode (on GPU), sampling on the device."""
 
-    def __init__(self, cfg: Any, model: torch.nn.Module):
+    def __init__(self, cfg: Any, model: torch.nn.Module, forward: Any = None):
+        """``forward``: what prefills and decodes the rows (default: the built-in Llama-family
+        forward; ``hf_slots.HfSlotForward`` runs the model's own)."""
         self.cfg = cfg
-        self.fwd = LlamaFamilyForward(model)
+        self.fwd = LlamaFamilyForward(model) if forward is None else forward
         self.runner = DecodeRunner(self.fwd, cfg.cuda_graphs)
         self.prefill = self.fwd.prefill  # the CPU generator swaps in its own prefill step
         self.cuda = self.fwd.device.type == "cuda"

@@ -158,9 +158,16 @@ class TorchEngine(WeightReceiver):
             arch.engine_attention(self.model)
         if self._equal_lengths and self._fast is not None:
             raise ValueError("torch engine: this architecture runs the model's own forward; set engine.impl=hf")
-        # the model's own forward on CUDA decodes over a static cache, its step replayed from a CUDA
-        # graph (hf_graphs.py), routing records copied out of the graph after each replay; MTP drafts
-        # run eagerly over the growing cache
+        # the model's own forward under the fast path's scheduler (hf_slots.py): continuous batching
+        # and, on CUDA, graphs, for every architecture whose cache layers live in preallocated rows.
+        # Speculative decoding keeps the per-call path below.
+        if self._fast is None and cfg.speculative is None and not self._equal_lengths:
+            from .hf_slots import slot_generator
+
+            self._fast = slot_generator(cfg, self.model, None if self._routing is None else self._routing.recorder)
+        # otherwise, the model's own forward on CUDA decodes over a static cache, its step replayed
+        # from a CUDA graph (hf_graphs.py), routing records copied out of the graph after each
+        # replay; MTP drafts run eagerly over the growing cache
         self._static = (cfg.cuda_graphs and self.device.type == "cuda" and self._fast is None
                         and (self._routing is None or isinstance(self._routing.recorder, RecordsGraphReplays))
                         and static_layers(self.model))

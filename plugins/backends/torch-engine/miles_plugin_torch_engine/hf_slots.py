@@ -1,0 +1,333 @@
+"""The model's own forward (``impl: hf``) under the fast path's scheduler: continuous batching.
+
+The scheduler (``batching.FastGenerator``) gives every sample a cache row, lets waiting requests
+join between decode steps and replays decode steps from CUDA graphs (``cuda_graphs.DecodeRunner``).
+It asks its forward to prefill prompts into chosen rows, to decode rows ``[0, B)`` each at its own
+position, and to move rows. ``HfSlotForward`` does that with the model's transformers forward for
+every architecture whose cache layers transformers can hold statically (full, sliding-window,
+DSA-indexed and linear-attention layers): one preallocated tensor per cached quantity, a row per
+sample. A decode step writes each row's new keys at that row's position, and a 4-D mask shows each
+row its own positions (and window), so rows of any length share the step. Linear-attention layers
+hand the model views of the live rows' convolution and recurrent states, updated in place.
+
+Prefill runs the model over the new prompts (left-padded where the architecture allows it) with
+transformers' own growing cache, then copies each prompt's cached positions and states into its
+samples' rows. Routing replay (R3) keeps a ``[rows, positions, layers, top_k]`` table of experts:
+the prefill writes the prompt's rows, each decode step (inside its CUDA graph too) the fed token's
+position, and a finished sample takes its row's first ``prompt + response - 1`` positions.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import LinearAttentionLayer, StaticIndexedLayer, StaticLayer
+
+from .batching import FastGenerator
+
+_ATTENTION = ("keys", "values", "indexer_keys")  # per-position tensors a layer may hold
+
+
+class _Step:
+    """What the slot layers read during a decode step: the rows' positions and the key length."""
+    pos: torch.Tensor
+    length: int = 0
+
+
+class SlotLayer(StaticLayer):
+    """Keys and values ``[rows, heads, positions, dim]``; a step writes at each row's position."""
+
+    def bind(self, step: _Step, held: dict[str, torch.Tensor]) -> None:
+        self.step, self.keys, self.values = step, held["keys"], held["values"]
+        self.device, self.is_initialized = self.keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        s = self.step
+        b = key_states.shape[0]
+        at = s.pos.view(b, 1, 1, 1)
+        self.keys[:b].scatter_(2, at.expand_as(key_states), key_states)
+        self.values[:b].scatter_(2, at.expand_as(value_states), value_states)
+        return self.keys[:b, :, :s.length], self.values[:b, :, :s.length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.step.length, 0
+
+
+class SlotIndexedLayer(SlotLayer):
+    """A ``SlotLayer`` with DSA's indexer keys ``[rows, positions, dim]``."""
+
+    def bind(self, step: _Step, held: dict[str, torch.Tensor]) -> None:
+        super().bind(step, held)
+        self.indexer_keys, self.is_indexer_initialized = held["indexer_keys"], True
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        s = self.step
+        b = indexer_key_states.shape[0]
+        at = s.pos.view(b, 1, 1).expand_as(indexer_key_states)
+        self.indexer_keys[:b].scatter_(1, at, indexer_key_states)
+        return self.indexer_keys[:b, :s.length]
+
+
+class SlotLinearLayer(LinearAttentionLayer):
+    """Convolution and recurrent states ``[rows, ...]``; a step sees the live rows' views."""
+
+    def bind(self, step: _Step, held: dict[str, torch.Tensor]) -> None:
+        self.step, self.conv, self.recurrent = step, held["conv"], held["recurrent"]
+        self.device, self.dtype = self.conv.device, self.conv.dtype
+        self.cumulative_length_linear = self.cumulative_length_linear.to(self.device)
+        self.conv_kernel_size[0] = self.conv.shape[-1]
+        for flags in (self.is_conv_states_initialized, self.is_recurrent_states_initialized,
+                      self.has_previous_state):
+            flags[0] = True
+        self.rows(self.conv.shape[0])
+
+    def rows(self, b: int) -> None:
+        self.conv_states[0], self.recurrent_states[0] = self.conv[:b], self.recurrent[:b]
+
+
+_SLOT_CLASSES = {StaticLayer: SlotLayer, StaticIndexedLayer: SlotIndexedLayer, LinearAttentionLayer: SlotLinearLayer}
+
+
+def slot_kinds(model: torch.nn.Module) -> list[str] | None:
+    """The model's cache layer kinds when every one can live in slots (and its attention takes a
+    4-D mask), else None: e.g. DeepSeek-V4's compressed attention, or a flash-attention backend."""
+    from .hf_graphs import static_cache, static_layers
+
+    if not static_layers(model) or model.config._attn_implementation not in ("sdpa", "eager"):
+        return None
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    if not all(type(layer) in _SLOT_CLASSES for layer in static_cache(model, 1).layers):
+        return None
+    return list(kinds)
+
+
+class HfSlotForward:
+    """The forward ``FastGenerator`` schedules (see the module docstring), over ``model``'s own
+    modules; ``recorder`` (a ``miles.protocols.RecordsGraphReplays``) makes it keep routing."""
+
+    def __init__(self, model: torch.nn.Module, kinds: list[str], recorder: Any = None):
+        self.model, self.kinds, self.recorder = model, kinds, recorder
+        text = model.config.get_text_config(decoder=True)
+        self.window = getattr(text, "sliding_window", None)
+        self.eager = model.config._attn_implementation == "eager"
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.step = _Step()
+        self.cache: Any = None
+        self.held: list[dict[str, torch.Tensor]] = []  # per layer: its cached tensors by name
+        self.linear: list[Any] = []  # the slot layers holding linear-attention states
+        self.route: torch.Tensor | None = None  # [rows, positions, layers, top_k] experts
+        self.slots = self.max_len = 0
+        self.k_cache: torch.Tensor | None = None  # the first cached tensor (the graphs' cache identity)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    def weights_signature(self) -> tuple:
+        # weight syncs copy in place, so graphs stay valid unless a tensor is re-allocated
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    def refresh(self) -> None:
+        """Nothing to copy: the forward reads the module's own weights."""
+
+    def _run(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, cache: Any = None) -> Any:
+        kw = {self._cache_kw: cache} if cache is not None else {}
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                          logits_to_keep=1, **kw)
+
+    def _recorded(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, cache: Any = None):
+        """(model output, ``[tokens, layers, top_k]`` experts or None) of one forward."""
+        if self.recorder is None:
+            return self._run(ids, mask, pos, cache), None
+        mark = self.recorder.mark()
+        out = self._run(ids, mask, pos, cache)
+        entries = self.recorder.split_off(mark)
+        return out, torch.stack(entries, dim=1) if entries else None
+
+    def allocate(self, slots: int, max_len: int) -> None:
+        """Rows and positions for the call; tensors only grow (a graph replays their addresses)."""
+        if self.cache is not None and slots <= self.slots and max_len <= self.max_len:
+            return
+        slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
+        from .hf_graphs import static_cache
+
+        probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        out, routed = self._recorded(probe, None, probe)
+        grown = getattr(out, self._cache_kw)
+        self.cache = static_cache(self.model, max_len)
+        classes = _SLOT_CLASSES
+        self.held, self.linear = [], []
+        for i, layer in enumerate(self.cache.layers):
+            src = grown.layers[i]
+            held: dict[str, torch.Tensor] = {}
+            for name in _ATTENTION:
+                t = getattr(src, name, None)
+                if isinstance(t, torch.Tensor):  # [1, heads, 1, dim] or [1, 1, dim]: positions on dim 2 / 1
+                    shape = (slots, *t.shape[1:-2], max_len, t.shape[-1])
+                    held[name] = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            if getattr(src, "conv_states", None):
+                held["conv"] = torch.zeros((slots, *src.conv_states[0].shape[1:]), dtype=src.conv_states[0].dtype,
+                                           device=self.device)
+                held["recurrent"] = torch.zeros((slots, *src.recurrent_states[0].shape[1:]),
+                                                dtype=src.recurrent_states[0].dtype, device=self.device)
+            slot = classes[type(layer)].__new__(classes[type(layer)])
+            slot.__dict__.update(layer.__dict__)
+            slot.bind(self.step, held)
+            self.cache.layers[i] = slot
+            self.held.append(held)
+            if "conv" in held:
+                self.linear.append(slot)
+        self.route = None
+        if routed is not None:
+            self.route = torch.zeros((slots, max_len, *routed.shape[1:]), dtype=torch.int32, device=self.device)
+        self.slots, self.max_len = slots, max_len
+        self.k_cache = next(t for held in self.held for t in held.values())
+        self._positions = torch.arange(max_len, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
+        """Last-position logits ``[prompts, V]`` of right-padded ``ids``; prompt ``g``'s cache goes
+        into the next ``reps[g]`` of ``rows``."""
+        plens = lengths.tolist()
+        width = max(plens)
+        dev = ids.device
+        shift = torch.arange(width, device=dev)[None, :] - (width - lengths)[:, None]  # [G, width]
+        real = shift >= 0
+        left = torch.where(real, ids.gather(1, shift.clamp(min=0)), 0)
+        padded = min(plens) != width
+        out, routed = self._recorded(left, real.long() if padded else None, shift.clamp(min=0))
+        grown = getattr(out, self._cache_kw)
+        group = torch.repeat_interleave(torch.arange(len(plens), device=dev), reps)  # source prompt per row
+        picks: dict[int, tuple] = {}
+
+        def pick(tail: int) -> tuple:
+            """(row, prompt, cache index, slot position) of each real token among a cache's last
+            ``tail`` padded positions: index ``t`` is slot position ``t - tail + plen``."""
+            if tail not in picks:
+                t = torch.arange(tail, device=dev)[None, :].expand(len(group), tail)
+                slot = t - tail + lengths[group][:, None]
+                keep = slot >= 0
+                r = torch.arange(len(group), device=dev)[:, None].expand_as(slot)[keep]
+                picks[tail] = (rows[r], group[r], t[keep], slot[keep])
+            return picks[tail]
+
+        for layer, held in zip(grown.layers, self.held):
+            for name in _ATTENTION:
+                if name in held:
+                    src = getattr(layer, name)
+                    if name == "indexer_keys":  # [B, positions, dim]
+                        row, g, t, slot = pick(src.shape[1])
+                        held[name][row, slot] = src[g, t]
+                    else:  # [B, heads, positions, dim]
+                        row, g, t, slot = pick(src.shape[2])
+                        held[name][row, :, slot] = src[g, :, t]
+            if "conv" in held:
+                held["conv"][rows] = layer.conv_states[0][group]
+                held["recurrent"][rows] = layer.recurrent_states[0][group]
+        if self.route is not None and routed is not None:
+            row, g, t, slot = pick(width)
+            self.route[row, slot] = routed.view(len(plens), width, *routed.shape[1:])[g, t].to(self.route.dtype)
+        return out.logits[:, -1]
+
+    def _masks(self, pos: torch.Tensor, length: int) -> Any:
+        """The step's 4-D masks ``[B, 1, 1, length]``: a tensor, or one per layer kind."""
+        j = self._positions[:length][None, :]
+        seen = j <= pos[:, None]
+        masks: dict[str, Any] = {}
+        for kind in set(self.kinds):
+            if kind in ("linear_attention", "conv"):
+                masks[kind] = None
+            elif kind == "sliding_attention":
+                masks[kind] = seen & (j > pos[:, None] - self.window)
+            else:
+                masks[kind] = seen
+        for kind, m in masks.items():
+            if m is not None:
+                m = m[:, None, None, :]
+                masks[kind] = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(
+                    ~m, torch.finfo(self.dtype).min) if self.eager else m
+        if set(masks) <= {"full_attention", "indexed_attention"}:  # one kind: models that take no mapping
+            return next(iter(masks.values()))
+        return masks
+
+    @torch.inference_mode()
+    def decode(self, tok: torch.Tensor, pos: torch.Tensor, length: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, V]`` of token ``tok[r]`` at position ``pos[r]`` of row ``r``; positions up
+        to ``length`` are attended (masked per row)."""
+        b = tok.shape[0]
+        self.step.pos, self.step.length = pos, length
+        for layer in self.linear:
+            layer.rows(b)
+        res, routed = self._recorded(tok[:, None], self._masks(pos, length), pos[:, None], self.cache)
+        if self.route is not None and routed is not None:
+            self.route[torch.arange(b, device=pos.device), pos] = routed.to(self.route.dtype)
+        logits = res.logits[:, -1]
+        if out is None:
+            return logits
+        out.copy_(logits)
+        return out
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
+        """Rows ``src`` into rows ``dst``, their first ``length`` positions."""
+        for held in self.held:
+            for name, t in held.items():
+                if name == "indexer_keys":
+                    t[dst, :length] = t[src, :length]
+                elif name in _ATTENTION:
+                    t[dst, :, :length] = t[src, :, :length]
+                else:
+                    t[dst] = t[src]
+        if self.route is not None:
+            self.route[dst, :length] = self.route[src, :length]
+
+
+def slot_generator(cfg: Any, model: torch.nn.Module, recorder: Any = None) -> Any:
+    """The scheduler over the model's own forward, or None where its cache layers cannot live in
+    slots; ``recorder`` (routing replay) must follow graph replays (``RecordsGraphReplays``)."""
+    from miles.protocols import RecordsGraphReplays
+
+    kinds = slot_kinds(model)
+    if kinds is None or (recorder is not None and not isinstance(recorder, RecordsGraphReplays)):
+        return None
+    return SlotGenerator(cfg, model, HfSlotForward(model, kinds, recorder))
+
+
+class SlotGenerator(FastGenerator):
+    """``FastGenerator`` over ``HfSlotForward``: a finished sample also takes its routing rows."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        rec = self.fwd.recorder
+        if rec is None:
+            return super().generate(*args, **kwargs)
+        with rec.recording():
+            return super().generate(*args, **kwargs)
+
+    def _with_routes(self, rows: list[int], finish: Callable[[], Any]) -> Any:
+        """``finish()`` (which answers ``rows``), then each answer gets its row's experts."""
+        route = self.fwd.route
+        if route is None or not rows:
+            return finish()
+        owners = [self.rows.owner[r] for r in rows]
+        plens = self.rows.plen[rows].tolist()
+        held = route[torch.tensor(rows, device=route.device)].cpu()
+        result = finish()
+        key = self.fwd.recorder.extension
+        for k, (i, j) in enumerate(owners):
+            comp = self.out[i][j]
+            comp.extras[key] = {"routed_experts": held[k, :plens[k] + max(len(comp.token_ids) - 1, 0)]}
+        return result
+
+    def _retire(self, rows: list[int], live: int, t: int) -> int:
+        return self._with_routes(rows, lambda: super(SlotGenerator, self)._retire(rows, live, t))
+
+    def _abort(self, queue: Any, live: int, t: int) -> None:
+        self._with_routes(list(range(live)), lambda: super(SlotGenerator, self)._abort(queue, live, t))
