@@ -182,12 +182,24 @@ def engine_calls(cfg: dict[str, Any], tok: Tok, device: str, dtype: str, P: int,
 
 @contextlib.contextmanager
 def without_graphs(engine: Any) -> Iterator[None]:
-    """The engine decodes over the growing cache, without CUDA graphs, inside."""
-    static, engine._static = engine._static, False
+    """The engine with its decode steps run eagerly (CUDA graphs off), inside."""
+    runner = engine._fast.runner if engine._fast is not None else None
+    static, graphs = engine._static, runner is not None and runner.use_graphs
+    engine._static = False
+    if runner is not None:
+        runner.use_graphs = False
     try:
         yield
     finally:
         engine._static = static
+        if runner is not None:
+            runner.use_graphs = graphs
+
+
+def uses_graphs(engine: Any) -> bool:
+    """Whether the engine replays its decode steps from CUDA graphs (the continuous batcher's
+    runner, or the per-call path's static cache)."""
+    return engine._static or (engine._fast is not None and engine._fast.runner.use_graphs)
 
 
 def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
@@ -202,7 +214,7 @@ def engine_row(cfg: dict[str, Any], args, tok: Tok) -> dict[str, str]:
     run_generate()
     eng, gen = P * N / timed(run_engine, args.device)[0], P * N / timed(run_generate, args.device)[0]
     eager = "-"
-    if engine._static:  # the same engine without CUDA graphs, over the growing cache
+    if uses_graphs(engine):  # the same engine with its decode steps eager
         with without_graphs(engine):
             run_engine()
             eager = f"{P * N / timed(run_engine, args.device)[0]:,.0f}"

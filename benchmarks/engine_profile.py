@@ -50,13 +50,13 @@ def profile_family(family: str, args, device: str) -> None:
                                                             "bfloat16" if cuda else "float32", args.prompts,
                                                             args.prompt_len, args.new_tokens)
 
-    def run_eager() -> None:  # the same engine over the growing cache, no graphs
+    def run_eager() -> None:  # the same engine, its decode steps eager
         with A.without_graphs(engine):
             run_engine()
 
     times = {}
     for name, fn in (("engine", run_engine), ("engine eager", run_eager), ("generate", run_generate)):
-        if name == "engine eager" and not engine._static:  # no CUDA graphs for this family (or on CPU)
+        if name == "engine eager" and not A.uses_graphs(engine):  # no CUDA graphs for this family (or on CPU)
             continue
         fn()  # warm-up at the timed length: one-time costs (kernel selection, lazy init) stay out
         seconds = times[name] = timed(fn, device)[0]

@@ -178,7 +178,7 @@ class FastGenerator:
         anyway), rows that sampled a stop token."""
         full = np.flatnonzero(self.rows.start[:live] == t - self.steps + 1).tolist()
         if full or check_done:
-            done = torch.nonzero(self.rows.done[:live]).flatten().tolist()
+            done = np.flatnonzero(self.rows.done[:live].cpu().numpy()).tolist()  # one device read
             full = sorted(set(full) | set(done))
         return self._retire(full, live, t) if full else live
 

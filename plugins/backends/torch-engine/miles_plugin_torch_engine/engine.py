@@ -160,8 +160,10 @@ class TorchEngine(WeightReceiver):
             raise ValueError("torch engine: this architecture runs the model's own forward; set engine.impl=hf")
         # the model's own forward under the fast path's scheduler (hf_slots.py): continuous batching
         # and, on CUDA, graphs, for every architecture whose cache layers live in preallocated rows.
-        # Speculative decoding keeps the per-call path below.
-        if self._fast is None and cfg.speculative is None and not self._equal_lengths:
+        # Speculative decoding keeps the per-call path below, as does CPU in half precision (the
+        # growing cache: HF's own op order, which the trainer matches).
+        exact = self.device.type == "cuda" or _DTYPES[cfg.dtype] == torch.float32
+        if self._fast is None and cfg.speculative is None and not self._equal_lengths and exact:
             from .hf_slots import slot_generator
 
             self._fast = slot_generator(cfg, self.model, None if self._routing is None else self._routing.recorder)

@@ -59,7 +59,8 @@ class SlotIndexedLayer(SlotLayer):
 
     def bind(self, step: _Step, held: dict[str, torch.Tensor]) -> None:
         super().bind(step, held)
-        self.indexer_keys, self.is_indexer_initialized = held["indexer_keys"], True
+        if "indexer_keys" in held:  # not in a layer that reuses another layer's top-k (GLM-5's "shared")
+            self.indexer_keys, self.is_indexer_initialized = held["indexer_keys"], True
 
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         s = self.step

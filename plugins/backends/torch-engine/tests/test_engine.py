@@ -161,7 +161,10 @@ def test_load_weights(tok):
 
 
 def test_decode_is_kv_cached(tok):
-    eng = make_engine(tok, impl="hf")  # the generic path (the CPU default is the fast path)
+    eng = make_engine(tok, impl="hf")  # the model's own forward (the CPU default is the fast path)
+    steps, n = 5, 3
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps)
+    eng.generate(PROMPTS, params, n=n)  # the first call sizes the cache rows (one 1-token probe forward)
     shapes = []
     forward = eng.model.forward
 
@@ -170,8 +173,7 @@ def test_decode_is_kv_cached(tok):
         return forward(*args, **kwargs)
 
     eng.model.forward = counting
-    steps, n = 5, 3
-    groups = eng.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=steps), n=n)
+    groups = eng.generate(PROMPTS, params, n=n)
     assert all(c.finish_reason == "length" for g in groups for c in g)  # precondition: no early stop
     assert len(shapes) == 1 + (steps - 1)
     assert shapes[0] == (len(PROMPTS), max(map(len, PROMPTS)))  # each prompt prefilled once

@@ -7,6 +7,7 @@ from miles import ConfigError, SamplingParams
 from miles.testing import TinySpec, char_tokenizer
 from miles_fastpath import cpu_gemm
 
+from miles_plugin_torch_engine.hf_slots import SlotGenerator
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine
 from miles_plugin_torch_engine.fast import unsupported_reason
@@ -97,11 +98,12 @@ def assert_logprobs_exact(model, prompts, groups, temperature=1.0, atol=1e-5):
 def test_selection_and_fallback(tok):
     assert make_engine(tok, impl="auto")._fast is not None  # CPU float32: the fast path is the default
     assert make_engine(tok, impl="auto", dtype="bfloat16")._fast is None  # CPU half precision: HF's
-    assert make_engine(tok, impl="hf")._fast is None
+    # the model's own forward runs under the same scheduler (hf_slots.py)
+    assert isinstance(make_engine(tok, impl="hf")._fast, SlotGenerator)
     assert make_engine(tok)._fast is not None
     gpt2 = ArchSpec("GPT2", head="LMHeadModel")
     gpt2.kw = dict(n_embd=32, n_layer=2, n_head=4)
-    assert make_engine(tok, spec=gpt2, impl="auto")._fast is None
+    assert isinstance(make_engine(tok, spec=gpt2, impl="auto")._fast, SlotGenerator)
     with pytest.raises(ConfigError, match="engine.impl=fast.*GPT2LMHeadModel"):
         make_engine(tok, spec=gpt2)
     model = TinySpec().build_model(tok)

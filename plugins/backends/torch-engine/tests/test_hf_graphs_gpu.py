@@ -1,7 +1,8 @@
-"""CUDA graphs on the model's own forward (``hf_graphs.py``), for every frontier family with a static
-cache: the engine replays its decode steps from a graph, and the log-probs it returns equal a
-transformers forward of the same tokens (float32, TF32 off), for left-padded prompts with several
-samples each. In bfloat16 the difference is printed and bounded loosely."""
+"""CUDA graphs on the model's own forward, for every frontier family with static cache layers: the
+continuous batcher (``hf_slots.py``) replays every decode step from a graph (and the per-call path,
+``hf_graphs.py``, every step after its first), and the log-probs it returns equal a transformers
+forward of the same tokens (float32, TF32 off), for left-padded prompts with several samples each.
+In bfloat16 the difference is printed and bounded loosely."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from miles_tinypolicy.frontier import FAMILIES, frontier_config
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine
+from miles_plugin_torch_engine.hf_slots import SlotGenerator
 
 pytestmark = pytest.mark.gpu
 STATIC = [f for f in FAMILIES if f != "deepseek_v4"]
@@ -35,8 +37,8 @@ def replays(monkeypatch):
     return count
 
 
-def _engine(pm, family: str, dtype: str, replay: bool = False,
-            weights: str = "model") -> tuple[TorchEngine, list[list[int]]]:
+def _engine(pm, family: str, dtype: str, replay: bool = False, weights: str = "model",
+            per_call: bool = False) -> tuple[TorchEngine, list[list[int]]]:
     """The family's engine on CUDA (TF32 off) and its prompts: left-padded where it batches padding."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -45,9 +47,21 @@ def _engine(pm, family: str, dtype: str, replay: bool = False,
                          tokenizer=char_tokenizer(), seed=0)
     engine.load_weights(lively_weights(engine.model), version=1)
     engine.eos_id = None
-    assert engine._static
+    assert isinstance(engine._fast, SlotGenerator)
+    if per_call:  # the path speculative configurations decode on when no draft runs
+        engine._fast, engine._static = None, True
     prompts = [[2, 5, 6, 7, 8, 9], [2, 9, 8, 7, 6, 5]] if engine._equal_lengths else [list(p) for p in PROMPTS]
     return engine, prompts
+
+
+def _replayed(engine: TorchEngine, replays: dict, tokens: int) -> None:
+    if engine._fast is None:  # per call: the first decode step runs eagerly, then is captured
+        assert replays["n"] == tokens - 2, "the decode steps after the first were not replayed from a graph"
+    else:
+        steps = engine._fast.stats["decode_steps"]
+        assert steps > 0 and replays["n"] == steps, "a decode step was not replayed from a graph"
+        assert engine._fast.runner._graphs
+    replays["n"] = 0
 
 
 def _worst(engine: TorchEngine, prompts, outs) -> float:
@@ -68,14 +82,24 @@ def test_graph_replayed_decoding_matches_transformers(family, dtype, pm, replays
     engine, prompts = _engine(pm, family, dtype)
     tokens = 16
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
-    assert replays["n"] == tokens - 2, "the decode steps after the first were not replayed from a graph"
+    _replayed(engine, replays, tokens)
     worst = _worst(engine, prompts, outs)
     print(f"{family} {dtype}: max |engine - transformers| log-prob {worst:.2e}")
     assert worst < (1e-4 if dtype == "float32" else 0.15)
     # a weight sync between calls: the next call's graph reads the new weights
     engine.load_weights(lively_weights(engine.model, seed=2), version=2)
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
+    _replayed(engine, replays, tokens)
     assert _worst(engine, prompts, outs) < (1e-4 if dtype == "float32" else 0.15)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v3"])
+def test_the_per_call_path_replays_too(family, pm, replays):
+    engine, prompts = _engine(pm, family, "float32", per_call=True)
+    tokens = 16
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
+    _replayed(engine, replays, tokens)
+    assert _worst(engine, prompts, outs) < 1e-4
 
 
 @pytest.mark.parametrize("family", STATIC)
@@ -85,7 +109,7 @@ def test_routing_records_come_out_of_the_graph(family, pm, replays):
     engine, prompts = _engine(pm, family, "float32", replay=True)
     tokens = 12
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
-    assert replays["n"] == tokens - 2
+    _replayed(engine, replays, tokens)
     rec = engine._routing.recorder
     mismatched = total = 0
     for prompt, comps in zip(prompts, outs):
@@ -108,7 +132,7 @@ def test_low_precision_weights_replay_too(weights, pm, replays):
     engine, prompts = _engine(pm, "glm4_moe", "bfloat16", weights=weights)
     tokens = 12
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=1), n=2)
-    assert replays["n"] == tokens - 2
+    _replayed(engine, replays, tokens)
     worst = _worst(engine, prompts, outs)
     print(f"glm4_moe {weights}: max |engine - its cache-less forward| log-prob {worst:.2e}")
     assert worst < 0.15

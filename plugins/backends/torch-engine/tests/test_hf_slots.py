@@ -1,0 +1,95 @@
+"""Continuous batching on the model's own forward (``hf_slots.py``) for every frontier family with
+static cache layers: more samples than cache rows, so rows join while others decode and finished
+rows move to fill holes; samples stop at different lengths. Every completion's log-probs must equal
+a transformers forward of its tokens (float32, 1e-5) and its routing record (R3) the experts that
+forward routes to."""
+from __future__ import annotations
+
+import pytest
+import torch
+from miles import SamplingParams, make_plugin_manager
+from miles.testing import PROMPTS, char_tokenizer, lively_weights, model_spec
+from miles_tinypolicy.frontier import FAMILIES, frontier_config
+
+from miles_plugin_torch_engine.config import TorchEngineConfig
+from miles_plugin_torch_engine.engine import TorchEngine
+from miles_plugin_torch_engine.hf_slots import SlotGenerator, slot_kinds
+
+SLOTTED = [f for f in FAMILIES if f != "deepseek_v4"]
+ROWS = 5  # cache rows: 3 prompts x 2 samples do not fit at once
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return make_plugin_manager()
+
+
+def _configs():
+    # GLM-5 with an indexer top-k of 3: rows whose positions differ choose among different key counts
+    dsa = dict(frontier_config("glm_moe_dsa"), index_topk=3)
+    return [pytest.param(frontier_config(f), id=f) for f in SLOTTED] + [pytest.param(dsa, id="glm_moe_dsa-topk3")]
+
+
+def _reference(engine: TorchEngine, prompt: list[int], comp) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of the sampled tokens, routed experts of every fed position) from one cache-less
+    forward of the prompt and response."""
+    rec = engine._routing.recorder
+    ids = torch.tensor([prompt + comp.token_ids])
+    with rec.recording(), torch.inference_mode():
+        logits = engine.model(input_ids=ids, use_cache=False).logits[0].float()
+    (routed,) = rec.take()
+    want = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, torch.tensor(comp.token_ids)[:, None])[:, 0]
+    return want, routed[:len(prompt) + len(comp.token_ids) - 1]
+
+
+@pytest.mark.parametrize("config", _configs())
+def test_rows_join_and_leave_and_every_sample_equals_transformers(config, pm, single_thread):
+    engine = TorchEngine(TorchEngineConfig(impl="hf", max_batch_size=ROWS),
+                         spec=model_spec(config, pm=pm, replay=True), tokenizer=char_tokenizer(), seed=0)
+    engine.load_weights(lively_weights(engine.model), version=1)
+    assert isinstance(engine._fast, SlotGenerator)
+    prompts = [list(p) for p in PROMPTS]
+    # a common token stops some samples early, so rows leave at different steps
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3, stop_token_ids=[5, 7])
+    outs = engine.generate(prompts, params, n=2)
+    stats = engine._fast.stats
+    assert stats["joined_mid_decode"] > 0 and stats["max_rows"] <= ROWS
+    lengths = {len(c.token_ids) for cs in outs for c in cs}
+    assert len(lengths) > 1, "every sample ran the same length: no row moved"
+    worst, key = 0.0, engine._routing.recorder.extension
+    for prompt, comps in zip(prompts, outs):
+        assert len(comps) == 2
+        for c in comps:
+            want, routed = _reference(engine, prompt, c)
+            worst = max(worst, (want - torch.tensor(c.logprobs)).abs().max().item())
+            got = c.extras[key]["routed_experts"]
+            assert got.shape == routed.shape
+            assert got.sort(-1).values.equal(routed.sort(-1).values.to(got.dtype))
+    assert worst < 1e-5, f"{config['model_type']}: log-probs differ from transformers' forward by {worst:.2e}"
+
+
+def test_greedy_slots_equal_the_per_call_path(pm, single_thread):
+    """The same greedy tokens as the per-call path (one prefill per call, lock-step decode)."""
+    engine = TorchEngine(TorchEngineConfig(impl="hf", max_batch_size=3),
+                         spec=model_spec(frontier_config("qwen3_next"), pm=pm), tokenizer=char_tokenizer(), seed=0)
+    engine.load_weights(lively_weights(engine.model), version=1)
+    engine.eos_id = None
+    prompts = [list(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    slots = engine.generate(prompts, params)
+    engine._fast = None
+    per_call = engine.generate(prompts, params)
+    assert [c.token_ids for cs in slots for c in cs] == [c.token_ids for cs in per_call for c in cs]
+
+
+def test_which_models_get_slots(pm):
+    """Every layer kind of the frontier families but DeepSeek-V4's compressed attention, which has
+    no static cache layer; and only attention backends that take a 4-D mask."""
+    v4 = TorchEngine(TorchEngineConfig(impl="hf"), spec=model_spec(frontier_config("deepseek_v4"), pm=pm),
+                     tokenizer=char_tokenizer(), seed=0)
+    assert v4._fast is None and slot_kinds(v4.model) is None
+    gpt = TorchEngine(TorchEngineConfig(impl="hf"), spec=model_spec(frontier_config("gpt_oss"), pm=pm),
+                      tokenizer=char_tokenizer(), seed=0)
+    assert set(slot_kinds(gpt.model)) == {"sliding_attention", "full_attention"}
+    gpt.model.config._attn_implementation = "flash_attention_2"
+    assert slot_kinds(gpt.model) is None
