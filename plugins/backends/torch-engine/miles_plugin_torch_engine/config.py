@@ -71,15 +71,17 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
     impl: Literal["auto", "fast", "hf"] = Field(
         "auto", description='"fast": the built-in Llama-family forward (Llama, Qwen2, Qwen3, Mistral '
         'without sliding window) over a KV cache allocated once, with continuous batching and CUDA '
-        'graphs; "hf": the model\'s own forward (any causal LM); "auto": fast on CUDA, and on CPU in '
-        'float32, when the architecture is supported, else hf')
+        'graphs; "hf": the model\'s own forward (any causal LM), under the same scheduler (per-row cache '
+        'slots, continuous batching, CUDA graphs) when transformers holds its every cache layer statically '
+        '(not DeepSeek-V4), on CUDA and on CPU in float32; "auto": fast on CUDA, and on CPU in float32, when '
+        'the architecture is supported, else hf')
     max_seq_len: Optional[int] = Field(
         None, ge=2, description="fast path: KV-cache positions per sequence (prompt + new tokens); "
         "unset: sized from the first request and grown when a longer one comes")
     cuda_graphs: bool = Field(
-        True, description="replay the decode step from CUDA graphs: the fast path's, one per batch/length "
-        "bucket; the model's own forward's (impl: hf), one per generate chunk over a static cache, for "
-        "architectures whose every layer has a static cache layer in transformers (not DeepSeek-V4)")
+        True, description="replay the decode step from CUDA graphs, one per batch/length bucket, on the "
+        "fast path and on the model's own forward (impl: hf) in cache slots; the per-call path (speculative "
+        "configs) captures one per generate chunk over a static cache")
     cpu_workers: Optional[int] = Field(
         None, ge=1, description="fast path on CPU: decode steps split their rows among this many "
         "worker threads of one intra-op thread each (steps too small to gain from it stay on one); unset: "
