@@ -13,11 +13,16 @@ fixed addresses) or the KV cache grows.
 from __future__ import annotations
 
 import bisect
-from typing import Any, Callable
+import logging
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .fast import LlamaFamilyForward
+if TYPE_CHECKING:
+    from .fast import LlamaFamilyForward
+    from .hf_slots import HfSlotForward
+
+_log = logging.getLogger(__name__)
 
 
 def batch_buckets(slots: int) -> list[int]:
@@ -40,7 +45,9 @@ def capture_graph(run: Callable[[], None], device: torch.device, pool: Any,
     if after_warmup is not None:
         after_warmup()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: CUDA calls of other threads meanwhile (a server's, a telemetry sampler's) do not
+    # void the capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         run()
     return graph
 
@@ -49,7 +56,7 @@ class DecodeRunner:
 
     LENGTH_STEP = 128  # cache-length bucket granularity: attention reads only this much past the need
 
-    def __init__(self, forward: LlamaFamilyForward, use_graphs: bool):
+    def __init__(self, forward: LlamaFamilyForward | HfSlotForward, use_graphs: bool):
         self.fwd = forward
         self.use_graphs = use_graphs and forward.device.type == "cuda"
         self.tok = self.pos = self.logits = None
@@ -82,7 +89,13 @@ class DecodeRunner:
         length = min(self.fwd.max_len, -(-need // self.LENGTH_STEP) * self.LENGTH_STEP)
         graph = self._graphs.get((size, length))
         if graph is None:
-            graph = self._graphs[(size, length)] = self._capture(size, length)
+            try:
+                graph = self._graphs[(size, length)] = self._capture(size, length)
+            except RuntimeError as e:  # a layer of the model's own forward that reads device data on the host
+                _log.warning("torch engine: the decode step could not be captured as a CUDA graph (%s); "
+                             "decoding eagerly (engine.cuda_graphs: false skips the capture)", e)
+                self.use_graphs = False
+                return self.step(batch, need)
         graph.replay()
         return self.logits[:batch]
 
