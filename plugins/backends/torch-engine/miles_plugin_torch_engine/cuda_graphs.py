@@ -20,7 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from .fast import LlamaFamilyForward
-    from .hf_slots import HfSlotForward
+    from .hf_slots import HfSlotForward  # both fast.RowsForward
 
 _log = logging.getLogger(__name__)
 

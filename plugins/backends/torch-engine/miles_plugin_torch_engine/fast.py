@@ -49,7 +49,26 @@ def _lin(x: torch.Tensor, mod: torch.nn.Linear) -> torch.Tensor:
     return F.linear(x, mod.weight, mod.bias)
 
 
-class LlamaFamilyForward:
+class RowsForward:
+    """What the scheduler (``batching.FastGenerator``) and its graphs read of any forward over
+    cache rows: the model's device and dtype, and the addresses of the weights a graph replays."""
+
+    model: torch.nn.Module
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    def weights_signature(self) -> tuple:
+        """Storage addresses of every weight read (a CUDA graph holds these addresses)."""
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+
+class LlamaFamilyForward(RowsForward):
     """Prefill and decode of a supported HF model over a preallocated KV cache."""
 
     def __init__(self, model: torch.nn.Module):
@@ -71,18 +90,9 @@ class LlamaFamilyForward:
                            and d & (d - 1) == 0)
         self._fused_layout: tuple = ()
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
-
     def weights_signature(self) -> tuple:
-        """Storage addresses of every weight read (a CUDA graph holds these addresses)."""
         fused = [t.data_ptr() for f in self._fused for t in f.values() if t is not None]
-        return tuple(p.data_ptr() for p in self.model.parameters()) + tuple(fused)
+        return super().weights_signature() + tuple(fused)
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import LinearAttentionLayer, StaticIndexedLayer, StaticLayer
 
 from .batching import FastGenerator
+from .fast import RowsForward
 
 _ATTENTION = ("keys", "values", "indexer_keys")  # per-position tensors a layer may hold
 
@@ -105,7 +106,7 @@ def slot_kinds(model: torch.nn.Module) -> list[str] | None:
     return list(kinds)
 
 
-class HfSlotForward:
+class HfSlotForward(RowsForward):
     """The forward ``FastGenerator`` schedules (see the module docstring), over ``model``'s own
     modules; ``recorder`` (a ``miles.protocols.RecordsGraphReplays``) makes it keep routing."""
 
@@ -123,18 +124,6 @@ class HfSlotForward:
         self.route: torch.Tensor | None = None  # [rows, positions, layers, top_k] experts
         self.slots = self.max_len = 0
         self.k_cache: torch.Tensor | None = None  # the first cached tensor (the graphs' cache identity)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
-
-    def weights_signature(self) -> tuple:
-        # weight syncs copy in place, so graphs stay valid unless a tensor is re-allocated
-        return tuple(p.data_ptr() for p in self.model.parameters())
 
     def refresh(self) -> None:
         """Nothing to copy: the forward reads the module's own weights."""
