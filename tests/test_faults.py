@@ -6,7 +6,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "tests/tiny.yaml"
@@ -26,31 +25,45 @@ def wait_rows(path: Path, count: int, proc, timeout: float = 300) -> None:
     raise AssertionError(f"{path} never reached {count} rows")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_checkpoints_the_finished_step_and_rerun_resumes(tmp_path, sig):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}", "run.steps=40",
-           "run.checkpoint_every=100", "run.warm_start.max_steps=5"]
+def _interrupt(cmd, out: Path, sig, after_rows: int) -> tuple[int, str]:
+    """Start ``cmd``, send ``sig`` once metrics.jsonl has ``after_rows`` rows, and check the exit:
+    the signal's code, one summary line, and the finished step's checkpoint. Returns that step."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_rows(out / "metrics.jsonl", 3, proc)
+        wait_rows(out / "metrics.jsonl", after_rows, proc)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=120)
+        stdout, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 128 + sig, err[-2000:]
     last = rows(out)[-1]["step"]
-    assert 2 <= last < 40
     summary = [line for line in err.splitlines() if line.startswith("miles: error:")]
     assert summary == [f"miles: error: {sig.name} after step {last}: checkpoint written; rerun the same "
                        f"command to resume from {out}"], err[-2000:]
     assert "Traceback" not in err
     assert (out / "checkpoints" / f"step_{last:06d}" / "state.json").is_file()
-    r = subprocess.run([*cmd, "run.steps=" + str(last + 2)], cwd=ROOT, capture_output=True, text=True,
+    return last, stdout
+
+
+def test_signal_checkpoints_the_finished_step_and_rerun_resumes(tmp_path):
+    """SIGTERM stops the first run and SIGINT its rerun (each checkpoints its finished step); a
+    third run resumes from the SIGINT checkpoint. One chain of runs covers both signals, each
+    followed by a resume, with one interpreter start fewer than a chain per signal."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "miles.cli", "train", TINY, f"run.out_dir={out}", "run.steps=40",
+           "run.checkpoint_every=100", "run.warm_start.max_steps=5"]
+    first, _ = _interrupt(cmd, out, signal.SIGTERM, 3)
+    assert 2 <= first < 40
+    # the rerun truncates the killed run's rows past its checkpoint (none here) and appends: 3 more
+    second, stdout = _interrupt(cmd, out, signal.SIGINT, first + 4)
+    assert f"resuming from step {first}" in stdout
+    assert first + 3 <= second < 40
+    assert [g["step"] for g in rows(out)] == list(range(0, second + 1))
+    r = subprocess.run([*cmd, "run.steps=" + str(second + 2)], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"resuming from step {last}" in r.stdout
-    assert [g["step"] for g in rows(out)] == list(range(0, last + 3))
+    assert f"resuming from step {second}" in r.stdout
+    assert [g["step"] for g in rows(out)] == list(range(0, second + 3))
 
 
 NAN_LOSS = '''
@@ -81,20 +94,18 @@ def _nan_run(tmp_path, bad: str, steps: int):
     return r, out
 
 
-def test_nan_loss_skips_the_step_and_is_counted(tmp_path):
-    r, out = _nan_run(tmp_path, "2", steps=4)
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_nan_steps_are_skipped_and_counted_and_k_in_a_row_end_the_run(tmp_path):
+    """One run covers both: the lone NaN step 2 is skipped and counted and the weights stay finite
+    (step 3 trains), then steps 4-6 in a row (``run.max_nonfinite_steps`` 3) checkpoint and end
+    the run; the lone step before them must not count towards the three."""
+    r, out = _nan_run(tmp_path, "2,4,5,6", steps=20)
+    assert r.returncode == 2, r.stderr[-2000:]
     got = {g["step"]: g for g in rows(out)}
     assert got[2].get("nonfinite_skipped") == 1.0 and "nonfinite_skipped" not in got[3]
-    assert [got[s]["nonfinite_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
-    assert all(v == v for v in got[4].values() if isinstance(v, float))  # weights stayed finite
-
-
-def test_k_nan_steps_in_a_row_checkpoint_and_end_the_run(tmp_path):
-    r, out = _nan_run(tmp_path, "-1", steps=20)
-    assert r.returncode == 2
-    assert ("miles: error: 3 training steps in a row (steps 1-3) had a NaN/inf loss or gradient and "
-            "were skipped; the last good weights are checkpointed at step 3") in r.stderr
+    assert [got[s]["nonfinite_steps"] for s in (1, 2, 3, 4, 5, 6)] == [0, 1, 1, 2, 3, 4]
+    assert all(v == v for v in got[3].values() if isinstance(v, float))  # weights stayed finite
+    assert ("miles: error: 3 training steps in a row (steps 4-6) had a NaN/inf loss or gradient and "
+            "were skipped; the last good weights are checkpointed at step 6") in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
-    assert (out / "checkpoints" / "step_000003" / "state.json").is_file()
-    assert [g["step"] for g in rows(out)] == [0, 1, 2, 3]
+    assert (out / "checkpoints" / "step_000006" / "state.json").is_file()
+    assert sorted(got) == [0, 1, 2, 3, 4, 5, 6]
