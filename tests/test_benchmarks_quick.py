@@ -30,15 +30,15 @@ def scripts(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "launcher_overhead": ([], "launcher_overhead ray/local step time ratio"),
         "mismatch": ([], "R3 mean-diff reduction"),
         "quickstart_vs_sft": (["--out", str(tmp / "qs")], "quickstart_vs_sft: GRPO gain"),
-        "serve_hostile": ([], "serve_hostile p99 with/without hostile client ratio"),
         "trainer_megatron_vs_fsdp2": ([], "trainer "),
         "weight_sync": ([], "weight_sync ratios vs raw"),
     }
 
 
 # scripts whose --quick run has a test of its own that checks the table it prints: running them
-# here as well would only repeat that run (precision's is ~30 s of CPU)
-OWN_TEST = {"precision": "test_precision_benchmark.py", "speculative": "test_speculative_benchmark.py"}
+# here as well would only repeat that run (precision's is ~30 s of CPU, serve_hostile's ~40 s of wall)
+OWN_TEST = {"precision": "test_precision_benchmark.py", "serve_hostile": "test_serve_hostile.py",
+            "speculative": "test_speculative_benchmark.py"}
 
 
 def run(name: str, extra: list[str]) -> tuple[subprocess.CompletedProcess, float]:
