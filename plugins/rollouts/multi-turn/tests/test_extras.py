@@ -102,7 +102,8 @@ def _check_replay(spec, model, tok, engine):
 
     ro = MultiTurnRollout(MultiTurnConfig(max_turns=3, max_total_tokens=96))
     params = SamplingParams(temperature=1.5, max_new_tokens=10, stop_token_ids=[tok.eos_token_id], seed=0)
-    groups = ro.generate([Task(f"{a}*{a}") for a in range(6)], 4, engine=engine, env=EchoEnv(),
+    # 8 samples a task: about one in six calls the tool, so a draw with fewer than 3 is rare
+    groups = ro.generate([Task(f"{a}*{a}") for a in range(6)], 8, engine=engine, env=EchoEnv(),
                          tokenizer=tok, params=params)
     samples = [s for g in groups for s in g]
     multi = [s for s in samples if s.extensions["multi_turn"]["turns"] > 1]
