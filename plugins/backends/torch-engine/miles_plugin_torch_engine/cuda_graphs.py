@@ -110,4 +110,4 @@ class DecodeRunner:
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        return capture_graph(run, self.fwd.device, self._pool)
+        return capture_graph(run, self.fwd.device, self._pool, self.fwd.saved_state())

@@ -20,7 +20,7 @@ engine's generic HF path.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,11 @@ class RowsForward:
     def weights_signature(self) -> tuple:
         """Storage addresses of every weight read (a CUDA graph holds these addresses)."""
         return tuple(p.data_ptr() for p in self.model.parameters())
+
+    def saved_state(self) -> Callable[[], None] | None:
+        """A function that puts back the state a decode step advances in place (None: a step only
+        writes what the next one rewrites), for the warm-up run before a graph capture."""
+        return None
 
 
 class LlamaFamilyForward(RowsForward):

@@ -125,6 +125,18 @@ class HfSlotForward(RowsForward):
         self.slots = self.max_len = 0
         self.k_cache: torch.Tensor | None = None  # the first cached tensor (the graphs' cache identity)
 
+    def saved_state(self) -> Callable[[], None] | None:
+        """Linear-attention states advance in place at every step: a graph's warm-up run must not
+        leave them one step ahead of the replay that follows."""
+        if not self.linear:
+            return None
+        held = [(t, t.clone()) for h in self.held for name, t in h.items() if name in ("conv", "recurrent")]
+
+        def restore() -> None:
+            for t, saved in held:
+                t.copy_(saved)
+        return restore
+
     def refresh(self) -> None:
         """Nothing to copy: the forward reads the module's own weights."""
 

@@ -99,3 +99,22 @@ def test_which_models_get_slots(pm):
     assert set(slot_kinds(gpt.model)) == {"sliding_attention", "full_attention"}
     gpt.model.config._attn_implementation = "flash_attention_2"
     assert slot_kinds(gpt.model) is None
+
+
+def test_a_graph_warm_up_leaves_linear_attention_states_as_they_were(pm, single_thread):
+    """Before a capture the decode step runs once (the warm-up), and gated DeltaNet's states advance
+    in place: ``saved_state`` puts them back, so the replay that follows is the step's only one."""
+    engine = TorchEngine(TorchEngineConfig(impl="hf", max_batch_size=2),
+                         spec=model_spec(frontier_config("qwen3_next"), pm=pm), tokenizer=char_tokenizer(), seed=0)
+    engine.load_weights(lively_weights(engine.model), version=1)
+    fwd = engine._fast.fwd
+    fwd.allocate(2, 32)
+    ids = torch.tensor([[2, 5, 6, 7, 0], [2, 9, 8, 7, 6]])
+    fwd.prefill(ids, torch.tensor([4, 5]), torch.arange(2), torch.tensor([1, 1]))
+    tok, pos = torch.tensor([11, 12]), torch.tensor([4, 5])
+    restore = fwd.saved_state()
+    first = fwd.decode(tok, pos, 8).clone()  # the warm-up
+    assert not torch.equal(first, fwd.decode(tok, pos, 8)), "a second step from advanced states differs"
+    restore()
+    assert torch.equal(first, fwd.decode(tok, pos, 8))
+    assert fwd.saved_state() is not None
