@@ -22,7 +22,13 @@ import inspect
 from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import LinearAttentionLayer, StaticIndexedLayer, StaticLayer
+from transformers.cache_utils import (
+    DynamicIndexedLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    StaticIndexedLayer,
+    StaticLayer,
+)
 
 from .batching import FastGenerator
 from .fast import RowsForward
@@ -165,22 +171,20 @@ class HfSlotForward(RowsForward):
         out, routed = self._recorded(probe, None, probe)
         grown = getattr(out, self._cache_kw)
         self.cache = static_cache(self.model, max_len)
-        classes = _SLOT_CLASSES
         self.held, self.linear = [], []
         for i, layer in enumerate(self.cache.layers):
             src = grown.layers[i]
-            held: dict[str, torch.Tensor] = {}
-            for name in _ATTENTION:
-                t = getattr(src, name, None)
-                if isinstance(t, torch.Tensor):  # [1, heads, 1, dim] or [1, 1, dim]: positions on dim 2 / 1
-                    shape = (slots, *t.shape[1:-2], max_len, t.shape[-1])
-                    held[name] = torch.zeros(shape, dtype=t.dtype, device=t.device)
-            if getattr(src, "conv_states", None):
-                held["conv"] = torch.zeros((slots, *src.conv_states[0].shape[1:]), dtype=src.conv_states[0].dtype,
-                                           device=self.device)
-                held["recurrent"] = torch.zeros((slots, *src.recurrent_states[0].shape[1:]),
-                                                dtype=src.recurrent_states[0].dtype, device=self.device)
-            slot = classes[type(layer)].__new__(classes[type(layer)])
+            if isinstance(src, LinearAttentionCacheLayerMixin):
+                conv, rec = src.conv_states[0], src.recurrent_states[0]
+                held = {"conv": torch.zeros((slots, *conv.shape[1:]), dtype=conv.dtype, device=conv.device),
+                        "recurrent": torch.zeros((slots, *rec.shape[1:]), dtype=rec.dtype, device=rec.device)}
+            else:  # keys and values [1, heads, 1, dim]; DSA's indexer keys [1, 1, dim]
+                held = {name: torch.zeros((slots, *t.shape[1:-2], max_len, t.shape[-1]), dtype=t.dtype, device=t.device)
+                        for name, t in (("keys", src.keys), ("values", src.values))}
+                if isinstance(src, DynamicIndexedLayer) and src.is_indexer_initialized:  # not GLM-5's "shared"
+                    t = src.indexer_keys
+                    held["indexer_keys"] = torch.zeros((slots, max_len, t.shape[-1]), dtype=t.dtype, device=t.device)
+            slot = _SLOT_CLASSES[type(layer)].__new__(_SLOT_CLASSES[type(layer)])
             slot.__dict__.update(layer.__dict__)
             slot.bind(self.step, held)
             self.cache.layers[i] = slot
