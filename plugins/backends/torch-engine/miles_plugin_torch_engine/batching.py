@@ -21,7 +21,7 @@ import torch
 from miles import Completion, ConfigError, SamplingParams
 
 from .cuda_graphs import DecodeRunner
-from .fast import LlamaFamilyForward, unsupported_reason
+from .fast import LlamaFamilyForward, RowsForward, unsupported_reason
 from .sampling import sample
 
 
@@ -76,7 +76,7 @@ class FastGenerator:
     """``generate`` for Llama-family models: KV cache allocated once, continuous batching, CUDA
     graphs for decode (on GPU), sampling on the device."""
 
-    def __init__(self, cfg: Any, model: torch.nn.Module, forward: Any = None):
+    def __init__(self, cfg: Any, model: torch.nn.Module, forward: RowsForward | None = None):
         """``forward``: what prefills and decodes the rows (default: the built-in Llama-family
         forward; ``hf_slots.HfSlotForward`` runs the model's own)."""
         self.cfg = cfg

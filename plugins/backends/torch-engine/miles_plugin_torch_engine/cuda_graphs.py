@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
-    from .fast import LlamaFamilyForward
-    from .hf_slots import HfSlotForward  # both fast.RowsForward
+    from .fast import RowsForward
 
 _log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class DecodeRunner:
 
     LENGTH_STEP = 128  # cache-length bucket granularity: attention reads only this much past the need
 
-    def __init__(self, forward: LlamaFamilyForward | HfSlotForward, use_graphs: bool):
+    def __init__(self, forward: RowsForward, use_graphs: bool):
         self.fwd = forward
         self.use_graphs = use_graphs and forward.device.type == "cuda"
         self.tok = self.pos = self.logits = None
