@@ -719,6 +719,34 @@ class OffersEngineAttention(Protocol):
 
 
 @runtime_checkable
+class SlotCacheLayer(Protocol):
+    """One layer's cache in the engine's rows (``OffersSlotLayers``): a transformers cache layer
+    whose ``update`` writes each row's token at the decode step's position (``step.pos``) and
+    returns the keys up to ``step.length``; ``window``: how many positions back a query sees (the
+    engine's mask), None for all; ``load(layer, rows, group, length)`` copies prompts of ``length``
+    tokens prefilled into transformers' own cache ``layer`` into ``rows`` (``group``: each row's
+    prompt); ``move(dst, src, length)`` copies rows; ``tensors()``: what it holds."""
+
+    window: int | None
+
+    def load(self, layer: Any, rows: "torch.Tensor", group: "torch.Tensor", length: int) -> None: ...
+    def move(self, dst: "torch.Tensor", src: "torch.Tensor", length: int) -> None: ...
+    def tensors(self) -> list["torch.Tensor"]: ...
+
+
+@runtime_checkable
+class OffersSlotLayers(Protocol):
+    """An architecture whose cache transformers cannot hold statically (DeepSeek-V4's compressed
+    attention), holding it in the engine's cache rows itself, so the engine batches it
+    continuously: ``slot_layers(model, step, slots, max_len)`` returns a ``SlotCacheLayer`` per
+    layer of ``model`` (the engine's instance; it may switch modules' forwards to read them, as
+    ``OffersEngineAttention`` does). A decode step's writes must be idempotent: a CUDA graph's
+    warm-up runs it once before the capture."""
+
+    def slot_layers(self, model: "torch.nn.Module", step: Any, slots: int, max_len: int) -> list: ...
+
+
+@runtime_checkable
 class KnowsArchitecture(Protocol):
     """A model spec that names its model's ``Architecture``: ``architecture()`` (None: no plugin
     registered one for its ``model_type``; everything then runs the generic way)."""

@@ -150,7 +150,7 @@ class TorchEngine(WeightReceiver):
             raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
         # an architecture whose layers do not mask left padding (e.g. token compression by absolute
         # position) batches only prompts of equal length, which need no padding at all
-        from miles.protocols import KnowsArchitecture, OffersEngineAttention, RecordsGraphReplays
+        from miles.protocols import KnowsArchitecture, OffersEngineAttention, OffersSlotLayers, RecordsGraphReplays
 
         arch = spec.architecture() if isinstance(spec, KnowsArchitecture) else None
         self._equal_lengths = arch is not None and not arch.padded_batches
@@ -163,10 +163,12 @@ class TorchEngine(WeightReceiver):
         # Speculative decoding keeps the per-call path below, as does CPU in half precision (the
         # growing cache: HF's own op order, which the trainer matches).
         exact = self.device.type == "cuda" or _DTYPES[cfg.dtype] == torch.float32
-        if self._fast is None and cfg.speculative is None and not self._equal_lengths and exact:
+        own = isinstance(arch, OffersSlotLayers)  # e.g. DeepSeek-V4 holding its compressed attention's rows
+        if self._fast is None and cfg.speculative is None and (own or not self._equal_lengths) and exact:
             from .hf_slots import slot_generator
 
-            self._fast = slot_generator(cfg, self.model, None if self._routing is None else self._routing.recorder)
+            self._fast = slot_generator(cfg, self.model, None if self._routing is None else self._routing.recorder,
+                                        arch)
         # otherwise, the model's own forward on CUDA decodes over a static cache, its step replayed
         # from a CUDA graph (hf_graphs.py), routing records copied out of the graph after each
         # replay; MTP drafts run eagerly over the growing cache

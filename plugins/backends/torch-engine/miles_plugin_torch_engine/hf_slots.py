@@ -116,8 +116,11 @@ class HfSlotForward(RowsForward):
     """The forward ``FastGenerator`` schedules (see the module docstring), over ``model``'s own
     modules; ``recorder`` (a ``miles.protocols.RecordsGraphReplays``) makes it keep routing."""
 
-    def __init__(self, model: torch.nn.Module, kinds: list[str], recorder: Any = None):
-        self.model, self.kinds, self.recorder = model, kinds, recorder
+    def __init__(self, model: torch.nn.Module, kinds: list[str], recorder: Any = None, arch: Any = None):
+        """``arch``: a ``miles.protocols.OffersSlotLayers`` architecture that holds its layers' rows
+        itself (its prompts prefill by length: it does not mask padding)."""
+        self.model, self.kinds, self.recorder, self.arch = model, kinds, recorder, arch
+        self.own: list[Any] = []  # the architecture's slot layers
         text = model.config.get_text_config(decoder=True)
         self.window = getattr(text, "sliding_window", None)
         self.eager = model.config._attn_implementation == "eager"
@@ -170,9 +173,15 @@ class HfSlotForward(RowsForward):
         probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         out, routed = self._recorded(probe, None, probe)
         grown = getattr(out, self._cache_kw)
-        self.cache = static_cache(self.model, max_len)
         self.held, self.linear = [], []
-        for i, layer in enumerate(self.cache.layers):
+        if self.arch is not None:
+            from transformers.cache_utils import Cache
+
+            self.own = self.arch.slot_layers(self.model, self.step, slots, max_len)
+            self.cache = Cache(layers=self.own)
+        else:
+            self.cache = static_cache(self.model, max_len)
+        for i, layer in enumerate([] if self.arch is not None else self.cache.layers):
             src = grown.layers[i]
             if isinstance(src, LinearAttentionCacheLayerMixin):
                 conv, rec = src.conv_states[0], src.recurrent_states[0]
@@ -195,13 +204,31 @@ class HfSlotForward(RowsForward):
         if routed is not None:
             self.route = torch.zeros((slots, max_len, *routed.shape[1:]), dtype=torch.int32, device=self.device)
         self.slots, self.max_len = slots, max_len
-        self.k_cache = next(t for held in self.held for t in held.values())
+        self.k_cache = next(t for held in self.held for t in held.values()) if self.held else self.own[0].tensors()[0]
         self._positions = torch.arange(max_len, device=self.device)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
         """Last-position logits ``[prompts, V]`` of right-padded ``ids``; prompt ``g``'s cache goes
-        into the next ``reps[g]`` of ``rows``."""
+        into the next ``reps[g]`` of ``rows``. An architecture's own slot layers take prompts of
+        one length per forward."""
+        plens = lengths.tolist()
+        if not self.own or len(set(plens)) == 1:
+            return self._prefill(ids, lengths, rows, reps)
+        ends = reps.cumsum(0).tolist()
+        logits = []
+        for n in sorted(set(plens)):
+            idx = [g for g, p in enumerate(plens) if p == n]
+            sel = torch.cat([rows[ends[g] - int(reps[g]):ends[g]] for g in idx])
+            at = torch.tensor(idx, device=ids.device)
+            logits.append((at, self._prefill(ids[at, :n], lengths[at], sel, reps[at])))
+        out = torch.empty((len(plens), logits[0][1].shape[-1]), dtype=logits[0][1].dtype, device=ids.device)
+        for at, part in logits:
+            out[at] = part
+        return out
+
+    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                 reps: torch.Tensor) -> torch.Tensor:
         plens = lengths.tolist()
         width = max(plens)
         dev = ids.device
@@ -238,6 +265,8 @@ class HfSlotForward(RowsForward):
             if "conv" in held:
                 held["conv"][rows] = layer.conv_states[0][group]
                 held["recurrent"][rows] = layer.recurrent_states[0][group]
+        for layer, own in zip(grown.layers, self.own):  # unpadded: every prompt has width tokens
+            own.load(layer, rows, group, width)
         if self.route is not None and routed is not None:
             row, g, t, slot = pick(width)
             self.route[row, slot] = routed.view(len(plens), width, *routed.shape[1:])[g, t].to(self.route.dtype)
@@ -248,6 +277,9 @@ class HfSlotForward(RowsForward):
         j = self._positions[:length][None, :]
         seen = j <= pos[:, None]
         masks: dict[str, Any] = {}
+        if self.own:  # one window for all (DeepSeek-V4's layers all read a sliding window)
+            window = self.own[0].window
+            masks["own"] = seen & (j > pos[:, None] - window) if window else seen
         for kind in set(self.kinds):
             if kind in ("linear_attention", "conv"):
                 masks[kind] = None
@@ -260,7 +292,7 @@ class HfSlotForward(RowsForward):
                 m = m[:, None, None, :]
                 masks[kind] = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(
                     ~m, torch.finfo(self.dtype).min) if self.eager else m
-        if set(masks) <= {"full_attention", "indexed_attention"}:  # one kind: models that take no mapping
+        if set(masks) <= {"full_attention", "indexed_attention", "own"}:  # one kind: models that take no mapping
             return next(iter(masks.values()))
         return masks
 
@@ -292,19 +324,23 @@ class HfSlotForward(RowsForward):
                     t[dst, :, :length] = t[src, :, :length]
                 else:
                     t[dst] = t[src]
+        for own in self.own:
+            own.move(dst, src, length)
         if self.route is not None:
             self.route[dst, :length] = self.route[src, :length]
 
 
-def slot_generator(cfg: Any, model: torch.nn.Module, recorder: Any = None) -> Any:
+def slot_generator(cfg: Any, model: torch.nn.Module, recorder: Any = None, arch: Any = None) -> Any:
     """The scheduler over the model's own forward, or None where its cache layers cannot live in
-    slots; ``recorder`` (routing replay) must follow graph replays (``RecordsGraphReplays``)."""
-    from miles.protocols import RecordsGraphReplays
+    slots (neither transformers' static layers nor ``arch``'s own, ``OffersSlotLayers``);
+    ``recorder`` (routing replay) must follow graph replays (``RecordsGraphReplays``)."""
+    from miles.protocols import OffersSlotLayers, RecordsGraphReplays
 
-    kinds = slot_kinds(model)
+    own = arch if isinstance(arch, OffersSlotLayers) else None
+    kinds = [] if own is not None else slot_kinds(model)
     if kinds is None or (recorder is not None and not isinstance(recorder, RecordsGraphReplays)):
         return None
-    return SlotGenerator(cfg, model, HfSlotForward(model, kinds, recorder))
+    return SlotGenerator(cfg, model, HfSlotForward(model, kinds, recorder, own))
 
 
 class SlotGenerator(FastGenerator):

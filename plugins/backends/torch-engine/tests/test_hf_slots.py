@@ -15,7 +15,7 @@ from miles_plugin_torch_engine.config import TorchEngineConfig
 from miles_plugin_torch_engine.engine import TorchEngine
 from miles_plugin_torch_engine.hf_slots import SlotGenerator, slot_kinds
 
-SLOTTED = [f for f in FAMILIES if f != "deepseek_v4"]
+SLOTTED = list(FAMILIES)
 ROWS = 5  # cache rows: 3 prompts x 2 samples do not fit at once
 
 
@@ -89,11 +89,15 @@ def test_greedy_slots_equal_the_per_call_path(pm, single_thread):
 
 
 def test_which_models_get_slots(pm):
-    """Every layer kind of the frontier families but DeepSeek-V4's compressed attention, which has
-    no static cache layer; and only attention backends that take a 4-D mask."""
+    """Every layer kind of the frontier families: transformers' static layers, and DeepSeek-V4's
+    compressed attention through its architecture's own slot layers (``OffersSlotLayers``); and
+    only attention backends that take a 4-D mask."""
+    from miles.protocols import OffersSlotLayers
+
     v4 = TorchEngine(TorchEngineConfig(impl="hf"), spec=model_spec(frontier_config("deepseek_v4"), pm=pm),
                      tokenizer=char_tokenizer(), seed=0)
-    assert v4._fast is None and slot_kinds(v4.model) is None
+    assert slot_kinds(v4.model) is None
+    assert isinstance(v4._fast, SlotGenerator) and isinstance(v4._fast.fwd.arch, OffersSlotLayers)
     gpt = TorchEngine(TorchEngineConfig(impl="hf"), spec=model_spec(frontier_config("gpt_oss"), pm=pm),
                       tokenizer=char_tokenizer(), seed=0)
     assert set(slot_kinds(gpt.model)) == {"sliding_attention", "full_attention"}

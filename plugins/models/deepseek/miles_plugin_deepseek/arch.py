@@ -87,6 +87,12 @@ class DeepseekV4:
         self._hf = hf
         return fields
 
+    def slot_layers(self, model: torch.nn.Module, step: Any, slots: int, max_len: int) -> list:
+        """Its compressed attention in the engine's cache rows (``v4_slots.py``)."""
+        from .v4_slots import slot_layers
+
+        return slot_layers(model, step, slots, max_len)
+
     def megatron_layer_spec(self, layer_spec: Any) -> Any:
         """The held attention (``megatron_v4.HeldAttention``) in place of megatron-core's."""
         from miles import MilesError
