@@ -73,8 +73,8 @@ class TorchEngineConfig(pydantic.BaseModel, extra="forbid"):
         'without sliding window) over a KV cache allocated once, with continuous batching and CUDA '
         'graphs; "hf": the model\'s own forward (any causal LM), under the same scheduler (per-row cache '
         'slots, continuous batching, CUDA graphs) when transformers holds its every cache layer statically '
-        '(not DeepSeek-V4), on CUDA and on CPU in float32; "auto": fast on CUDA, and on CPU in float32, when '
-        'the architecture is supported, else hf')
+        '(or the architecture holds them: DeepSeek-V4), on CUDA and on CPU in float32; "auto": fast on '
+        'CUDA, and on CPU in float32, when the architecture is supported, else hf')
     max_seq_len: Optional[int] = Field(
         None, ge=2, description="fast path: KV-cache positions per sequence (prompt + new tokens); "
         "unset: sized from the first request and grown when a longer one comes")
