@@ -167,8 +167,8 @@ class TorchEngine(WeightReceiver):
         if self._fast is None and cfg.speculative is None and (own or not self._equal_lengths) and exact:
             from .hf_slots import slot_generator
 
-            self._fast = slot_generator(cfg, self.model, None if self._routing is None else self._routing.recorder,
-                                        arch)
+            recorder = None if self._routing is None else self._routing.recorder
+            self._fast = slot_generator(cfg, self.model, self._cache_kw, recorder, arch)
         # otherwise, the model's own forward on CUDA decodes over a static cache, its step replayed
         # from a CUDA graph (hf_graphs.py), routing records copied out of the graph after each
         # replay; MTP drafts run eagerly over the growing cache

@@ -18,7 +18,6 @@ position, and a finished sample takes its row's first ``prompt + response - 1`` 
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import torch
@@ -116,16 +115,17 @@ class HfSlotForward(RowsForward):
     """The forward ``FastGenerator`` schedules (see the module docstring), over ``model``'s own
     modules; ``recorder`` (a ``miles.protocols.RecordsGraphReplays``) makes it keep routing."""
 
-    def __init__(self, model: torch.nn.Module, kinds: list[str], recorder: Any = None, arch: Any = None):
-        """``arch``: a ``miles.protocols.OffersSlotLayers`` architecture that holds its layers' rows
+    def __init__(self, model: torch.nn.Module, kinds: list[str], cache_kw: str, recorder: Any = None,
+                 arch: Any = None):
+        """``cache_kw``: the name of the model forward's cache argument (the engine's ``_cache_kw``);
+        ``arch``: a ``miles.protocols.OffersSlotLayers`` architecture that holds its layers' rows
         itself (its prompts prefill by length: it does not mask padding)."""
         self.model, self.kinds, self.recorder, self.arch = model, kinds, recorder, arch
         self.own: list[Any] = []  # the architecture's slot layers
         text = model.config.get_text_config(decoder=True)
         self.window = getattr(text, "sliding_window", None)
         self.eager = model.config._attn_implementation == "eager"
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_kw
         self.step = _Step()
         self.cache: Any = None
         self.held: list[dict[str, torch.Tensor]] = []  # per layer: its cached tensors by name
@@ -168,20 +168,30 @@ class HfSlotForward(RowsForward):
         if self.cache is not None and slots <= self.slots and max_len <= self.max_len:
             return
         slots, max_len = max(slots, self.slots), max(max_len, self.max_len)
-        from .hf_graphs import static_cache
-
         probe = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         out, routed = self._recorded(probe, None, probe)
-        grown = getattr(out, self._cache_kw)
         self.held, self.linear = [], []
         if self.arch is not None:
             from transformers.cache_utils import Cache
 
             self.own = self.arch.slot_layers(self.model, self.step, slots, max_len)
             self.cache = Cache(layers=self.own)
+            self.k_cache = self.own[0].tensors()[0]
         else:
-            self.cache = static_cache(self.model, max_len)
-        for i, layer in enumerate([] if self.arch is not None else self.cache.layers):
+            self._static_slots(getattr(out, self._cache_kw), slots, max_len)
+        self.route = None
+        if routed is not None:
+            self.route = torch.zeros((slots, max_len, *routed.shape[1:]), dtype=torch.int32, device=self.device)
+        self.slots, self.max_len = slots, max_len
+        self._positions = torch.arange(max_len, device=self.device)
+
+    def _static_slots(self, grown: Any, slots: int, max_len: int) -> None:
+        """transformers' static cache for the model, each layer replaced by its slot class over
+        tensors shaped from ``grown`` (a 1-token forward's cache)."""
+        from .hf_graphs import static_cache
+
+        self.cache = static_cache(self.model, max_len)
+        for i, layer in enumerate(self.cache.layers):
             src = grown.layers[i]
             if isinstance(src, LinearAttentionCacheLayerMixin):
                 conv, rec = src.conv_states[0], src.recurrent_states[0]
@@ -200,12 +210,7 @@ class HfSlotForward(RowsForward):
             self.held.append(held)
             if "conv" in held:
                 self.linear.append(slot)
-        self.route = None
-        if routed is not None:
-            self.route = torch.zeros((slots, max_len, *routed.shape[1:]), dtype=torch.int32, device=self.device)
-        self.slots, self.max_len = slots, max_len
-        self.k_cache = next(t for held in self.held for t in held.values()) if self.held else self.own[0].tensors()[0]
-        self._positions = torch.arange(max_len, device=self.device)
+        self.k_cache = next(iter(self.held[0].values()))
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
@@ -215,11 +220,12 @@ class HfSlotForward(RowsForward):
         plens = lengths.tolist()
         if not self.own or len(set(plens)) == 1:
             return self._prefill(ids, lengths, rows, reps)
-        ends = reps.cumsum(0).tolist()
+        counts = reps.tolist()
+        starts = [sum(counts[:g]) for g in range(len(counts))]
         logits = []
         for n in sorted(set(plens)):
             idx = [g for g, p in enumerate(plens) if p == n]
-            sel = torch.cat([rows[ends[g] - int(reps[g]):ends[g]] for g in idx])
+            sel = torch.cat([rows[starts[g]:starts[g] + counts[g]] for g in idx])
             at = torch.tensor(idx, device=ids.device)
             logits.append((at, self._prefill(ids[at, :n], lengths[at], sel, reps[at])))
         out = torch.empty((len(plens), logits[0][1].shape[-1]), dtype=logits[0][1].dtype, device=ids.device)
@@ -330,7 +336,7 @@ class HfSlotForward(RowsForward):
             self.route[dst, :length] = self.route[src, :length]
 
 
-def slot_generator(cfg: Any, model: torch.nn.Module, recorder: Any = None, arch: Any = None) -> Any:
+def slot_generator(cfg: Any, model: torch.nn.Module, cache_kw: str, recorder: Any = None, arch: Any = None) -> Any:
     """The scheduler over the model's own forward, or None where its cache layers cannot live in
     slots (neither transformers' static layers nor ``arch``'s own, ``OffersSlotLayers``);
     ``recorder`` (routing replay) must follow graph replays (``RecordsGraphReplays``)."""
@@ -340,7 +346,7 @@ def slot_generator(cfg: Any, model: torch.nn.Module, recorder: Any = None, arch:
     kinds = [] if own is not None else slot_kinds(model)
     if kinds is None or (recorder is not None and not isinstance(recorder, RecordsGraphReplays)):
         return None
-    return SlotGenerator(cfg, model, HfSlotForward(model, kinds, recorder, own))
+    return SlotGenerator(cfg, model, HfSlotForward(model, kinds, cache_kw, recorder, own))
 
 
 class SlotGenerator(FastGenerator):

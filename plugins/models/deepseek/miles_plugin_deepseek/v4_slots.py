@@ -25,6 +25,12 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Attention,
+    DeepseekV4CSACache,
+    DeepseekV4CSACompressor,
+    apply_rotary_pos_emb,
+)
 
 
 class _Series:
@@ -60,8 +66,6 @@ class _Series:
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         entry = m.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))[:, None]
         cos, sin = m.rotary_emb(entry, position_ids=(window * self.rate)[:, None], layer_type=m.rope_layer_type)
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
-
         entry = apply_rotary_pos_emb(entry.unsqueeze(1), cos, sin).squeeze(1)
         self.entries[rows, window] = entry[:, 0]
         return self.entries[:b, :count]
@@ -78,8 +82,6 @@ class _Series:
         if buffered is not None and buffered.shape[1]:
             self.kv[rows, window % 2, :left] = buffered[group]
             self.gate[rows, window % 2, :left] = layer.buffer_gate[name][group] + m.position_bias[:left]
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACache
-
         overlap = layer.overlap_kv[name] if isinstance(layer, DeepseekV4CSACache) else None
         if self.overlap and overlap is not None:
             self.kv[rows, (window + 1) % 2, :, :self.dim] = overlap[group].to(self.kv.dtype)
@@ -105,8 +107,6 @@ class V4SlotLayer(CacheLayerMixin):
         self.keys = torch.zeros((slots, 1, max_len, attention.head_dim), dtype=dtype, device=device)
         self.values = self.keys
         self.is_initialized = True
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACompressor
-
         comp = attention.compressor
         self.series: dict[str, _Series] = {}
         if comp is not None:
@@ -175,8 +175,6 @@ def _compressor_forward(self, hidden_states, q_residual, position_ids, cache, la
 def _chosen(m, layer: V4SlotLayer, hidden: torch.Tensor, q_residual: torch.Tensor, pos: torch.Tensor,
             count: int, ready: torch.Tensor) -> torch.Tensor:
     """``[B, T]``: the closed entries the Lightning Indexer picks (its top ``index_topk``)."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
-
     keys = layer.series["indexer"].step(m, hidden, pos, count)  # [B, T, index dim]
     b = hidden.shape[0]
     cos, sin = m.rotary_emb(hidden, position_ids=pos[:, None], layer_type=m.rope_layer_type)
@@ -192,8 +190,6 @@ def _chosen(m, layer: V4SlotLayer, hidden: torch.Tensor, q_residual: torch.Tenso
 def slot_layers(model: torch.nn.Module, step: Any, slots: int, max_len: int) -> list[V4SlotLayer]:
     """A ``V4SlotLayer`` per decoder layer of ``model`` (its compressors switched to the slot
     path when they see one)."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
-
     attn = [m for m in model.modules() if isinstance(m, DeepseekV4Attention)]
     weight = model.lm_head.weight
     for a in attn:
