@@ -54,6 +54,15 @@ def launch(argv: Sequence[str], world_size: int, timeout: float = 120.0,
             f.close()
 
 
+def leave_rank(code: int = 0) -> None:
+    """End a rank script before interpreter teardown. A sharded model's gloo worker threads outlive
+    ``destroy_process_group``; one that releases tensors during teardown aborts the process
+    (SIGABRT after the results were written), as ``miles train`` ranks avoid the same way."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 def _supervise(polls: list[Callable[[], int | None]], timeout: float, detail: Callable[[], str]) -> None:
     """Wait until every rank exited 0; raise at the first failure or at the deadline."""
     deadline = time.monotonic() + timeout

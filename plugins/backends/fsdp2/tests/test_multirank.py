@@ -327,4 +327,7 @@ def test_cuda_ranks_match_one_rank(tmp_path):
 
 
 if __name__ == "__main__":
+    from miles_plugin_fsdp2.testing import leave_rank
+
     main(json.loads(sys.argv[1]))
+    leave_rank()
