@@ -679,7 +679,8 @@ class Architecture(Protocol):
 
     ``padded_batches``: rows of different lengths may share a forward, left-padded, without
     changing any row's result (False where a layer's state ignores the padding mask, e.g. token
-    compression by absolute position: the engine then batches only prompts of equal length).
+    compression by absolute position: the engine then pads such prompts on the right only, or
+    batches only prompts of equal length).
     ``check_config(config)``: problems of an inline ``model.config`` (``model_type`` plus sizes),
     each a string starting with the key it is about; empty when it can build a model.
     """
@@ -723,13 +724,16 @@ class SlotCacheLayer(Protocol):
     """One layer's cache in the engine's rows (``OffersSlotLayers``): a transformers cache layer
     whose ``update`` writes each row's token at the decode step's position (``step.pos``) and
     returns the keys up to ``step.length``; ``window``: how many positions back a query sees (the
-    engine's mask), None for all; ``load(layer, rows, group, length)`` copies prompts of ``length``
-    tokens prefilled into transformers' own cache ``layer`` into ``rows`` (``group``: each row's
-    prompt); ``move(dst, src, length)`` copies rows; ``tensors()``: what it holds."""
+    engine's mask), None for all. A prefill runs prompts right-padded from position 0 through a
+    transformers ``DynamicCache`` for the model, each of its layers first handed to ``watch(layer)``
+    (to record what transformers does not keep); ``load(layer, rows, group, lengths)`` then copies
+    them into ``rows`` (``group``: each row's prompt, of ``lengths[group]`` tokens);
+    ``move(dst, src, length)`` copies rows; ``tensors()``: what it holds."""
 
     window: int | None
 
-    def load(self, layer: Any, rows: "torch.Tensor", group: "torch.Tensor", length: int) -> None: ...
+    def watch(self, layer: Any) -> None: ...
+    def load(self, layer: Any, rows: "torch.Tensor", group: "torch.Tensor", lengths: "torch.Tensor") -> None: ...
     def move(self, dst: "torch.Tensor", src: "torch.Tensor", length: int) -> None: ...
     def tensors(self) -> list["torch.Tensor"]: ...
 

@@ -149,7 +149,8 @@ class TorchEngine(WeightReceiver):
         if self._routing is not None and self._fast is not None:
             raise ValueError("torch engine: routing replay needs the model's own forward; set engine.impl=hf")
         # an architecture whose layers do not mask left padding (e.g. token compression by absolute
-        # position) batches only prompts of equal length, which need no padding at all
+        # position) batches only prompts of equal length on the per-call path, which need no
+        # padding at all (its own slot layers prefill them right-padded instead)
         from miles.protocols import KnowsArchitecture, OffersEngineAttention, OffersSlotLayers, RecordsGraphReplays
 
         arch = spec.architecture() if isinstance(spec, KnowsArchitecture) else None
@@ -374,23 +375,17 @@ class TorchEngine(WeightReceiver):
     @torch.inference_mode()
     def logprobs(self, prompts: Sequence[Sequence[int]],
                  responses: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Log-prob (temperature 1) of each response token given its prompt, one forward per chunk."""
-        out: dict[int, list[float]] = {}
-        # chunks of one prompt length where left padding is not exact (right padding always is:
-        # a causal model's padded tail comes after every token scored)
-        for idx, _ in self._chunks([len(p) for p in prompts], 1):
-            out.update(zip(idx, self._score([prompts[i] for i in idx], [responses[i] for i in idx])))
-        return [out[i] for i in range(len(prompts))]
+        """Log-prob (temperature 1) of each response token given its prompt, one forward per
+        ``max_batch_size`` pairs of any lengths."""
+        mbs = self.cfg.max_batch_size
+        return [lp for s in range(0, len(prompts), mbs) for lp in self._score(prompts[s:s + mbs], responses[s:s + mbs])]
 
     def _score(self, prompts, responses) -> list[list[float]]:
-        width = max(1, max(len(r) for r in responses))
-        seqs = [list(p) + list(r) + [self.pad_id] * (width - len(r)) for p, r in zip(prompts, responses)]
-        ids, mask = _left_pad(seqs, self.pad_id, self.device)
-        right = torch.tensor([width - len(r) for r in responses], device=self.device)
-        mask[torch.arange(mask.shape[1], device=self.device) >= mask.shape[1] - right[:, None]] = 0
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        start = ids.shape[1] - width
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                            use_cache=False).logits[:, start - 1:-1].float()
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, start:, None]).squeeze(-1).cpu().tolist()
-        return [row[:len(r)] for row, r in zip(lp, responses)]
+        """Each ``prompt + response`` right-padded from position 0: exact for every causal model (a
+        row's padding comes after all its tokens), also those that do not mask left padding."""
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        width = max(len(q) for q in seqs)
+        ids = torch.tensor([q + [self.pad_id] * (width - len(q)) for q in seqs], device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu().tolist()
+        return [row[len(p) - 1:len(p) - 1 + len(r)] for row, p, r in zip(lp, prompts, responses)]

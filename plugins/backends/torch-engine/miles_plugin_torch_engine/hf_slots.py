@@ -10,11 +10,12 @@ sample. A decode step writes each row's new keys at that row's position, and a 4
 row its own positions (and window), so rows of any length share the step. Linear-attention layers
 hand the model views of the live rows' convolution and recurrent states, updated in place.
 
-Prefill runs the model over the new prompts (left-padded where the architecture allows it) with
-transformers' own growing cache, then copies each prompt's cached positions and states into its
-samples' rows. Routing replay (R3) keeps a ``[rows, positions, layers, top_k]`` table of experts:
-the prefill writes the prompt's rows, each decode step (inside its CUDA graph too) the fed token's
-position, and a finished sample takes its row's first ``prompt + response - 1`` positions.
+Prefill runs the model over the new prompts, left-padded, with transformers' own growing cache,
+then copies each prompt's cached positions and states into its samples' rows (an architecture's
+own slot layers take them right-padded from position 0 instead). Routing replay (R3) keeps a
+``[rows, positions, layers, top_k]`` table of experts: the prefill writes the prompt's rows, each
+decode step (inside its CUDA graph too) the fed token's position, and a finished sample takes its
+row's first ``prompt + response - 1`` positions.
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ class HfSlotForward(RowsForward):
                  arch: Any = None):
         """``cache_kw``: the name of the model forward's cache argument (the engine's ``_cache_kw``);
         ``arch``: a ``miles.protocols.OffersSlotLayers`` architecture that holds its layers' rows
-        itself (its prompts prefill by length: it does not mask padding)."""
+        itself (its prompts prefill right-padded: it need not mask padding)."""
         self.model, self.kinds, self.recorder, self.arch = model, kinds, recorder, arch
         self.own: list[Any] = []  # the architecture's slot layers
         text = model.config.get_text_config(decoder=True)
@@ -149,17 +150,18 @@ class HfSlotForward(RowsForward):
     def refresh(self) -> None:
         """Nothing to copy: the forward reads the module's own weights."""
 
-    def _run(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, cache: Any = None) -> Any:
+    def _run(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, cache: Any = None, keep: int = 1) -> Any:
         kw = {self._cache_kw: cache} if cache is not None else {}
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                          logits_to_keep=1, **kw)
+                          logits_to_keep=keep, **kw)
 
-    def _recorded(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, cache: Any = None):
-        """(model output, ``[tokens, layers, top_k]`` experts or None) of one forward."""
+    def _recorded(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, cache: Any = None, keep: int = 1):
+        """(model output, ``[tokens, layers, top_k]`` experts or None) of one forward; ``keep``:
+        the positions the head sees (0: all)."""
         if self.recorder is None:
-            return self._run(ids, mask, pos, cache), None
+            return self._run(ids, mask, pos, cache, keep), None
         mark = self.recorder.mark()
-        out = self._run(ids, mask, pos, cache)
+        out = self._run(ids, mask, pos, cache, keep)
         entries = self.recorder.split_off(mark)
         return out, torch.stack(entries, dim=1) if entries else None
 
@@ -215,26 +217,43 @@ class HfSlotForward(RowsForward):
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
         """Last-position logits ``[prompts, V]`` of right-padded ``ids``; prompt ``g``'s cache goes
-        into the next ``reps[g]`` of ``rows``. An architecture's own slot layers take prompts of
-        one length per forward."""
-        plens = lengths.tolist()
-        if not self.own or len(set(plens)) == 1:
-            return self._prefill(ids, lengths, rows, reps)
-        counts = reps.tolist()
-        starts = [sum(counts[:g]) for g in range(len(counts))]
-        logits = []
-        for n in sorted(set(plens)):
-            idx = [g for g, p in enumerate(plens) if p == n]
-            sel = torch.cat([rows[starts[g]:starts[g] + counts[g]] for g in idx])
-            at = torch.tensor(idx, device=ids.device)
-            logits.append((at, self._prefill(ids[at, :n], lengths[at], sel, reps[at])))
-        out = torch.empty((len(plens), logits[0][1].shape[-1]), dtype=logits[0][1].dtype, device=ids.device)
-        for at, part in logits:
-            out[at] = part
-        return out
+        into the next ``reps[g]`` of ``rows``."""
+        group = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), reps)  # source prompt per row
+        if self.own:
+            return self._prefill_own(ids, lengths, rows, group)
+        return self._prefill(ids, lengths, rows, group)
+
+    def _prefill_own(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                     group: torch.Tensor) -> torch.Tensor:
+        """The architecture's own slot layers: prompts stay right-padded from position 0 (an
+        architecture that does not mask padding, as DeepSeek-V4's compressors pool windows by
+        absolute position, computes every real token exactly so), through transformers' cache
+        for the model with each layer ``watch``ed, then each slot layer loads its rows."""
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for layer, own in zip(cache.layers, self.own):
+            own.watch(layer)
+        width = ids.shape[1]
+        last = torch.arange(len(lengths), device=ids.device), lengths - 1
+        # the head sees each prompt's last real position only (the forward keeps every position)
+        hook = self.model.get_output_embeddings().register_forward_pre_hook(
+            lambda module, args: (args[0][last][:, None],))
+        try:
+            pos = torch.arange(width, device=ids.device)[None, :].expand(len(lengths), width)
+            out, routed = self._recorded(ids, None, pos, cache, keep=0)
+        finally:
+            hook.remove()
+        for layer, own in zip(cache.layers, self.own):
+            own.load(layer, rows, group, lengths)
+        if self.route is not None and routed is not None:  # past a prompt's end, decode overwrites
+            self.route[rows, :width] = routed.view(len(lengths), width, *routed.shape[1:])[group].to(self.route.dtype)
+        return out.logits[:, -1]
 
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
-                 reps: torch.Tensor) -> torch.Tensor:
+                 group: torch.Tensor) -> torch.Tensor:
+        """transformers' static layers: prompts left-padded, then each one's cached positions
+        copied into its rows."""
         plens = lengths.tolist()
         width = max(plens)
         dev = ids.device
@@ -244,7 +263,6 @@ class HfSlotForward(RowsForward):
         padded = min(plens) != width
         out, routed = self._recorded(left, real.long() if padded else None, shift.clamp(min=0))
         grown = getattr(out, self._cache_kw)
-        group = torch.repeat_interleave(torch.arange(len(plens), device=dev), reps)  # source prompt per row
         picks: dict[int, tuple] = {}
 
         def pick(tail: int) -> tuple:
@@ -271,8 +289,6 @@ class HfSlotForward(RowsForward):
             if "conv" in held:
                 held["conv"][rows] = layer.conv_states[0][group]
                 held["recurrent"][rows] = layer.recurrent_states[0][group]
-        for layer, own in zip(grown.layers, self.own):  # unpadded: every prompt has width tokens
-            own.load(layer, rows, group, width)
         if self.route is not None and routed is not None:
             row, g, t, slot = pick(width)
             self.route[row, slot] = routed.view(len(plens), width, *routed.shape[1:])[g, t].to(self.route.dtype)

@@ -1,10 +1,10 @@
 """Several prompts per forward on the model's own forward for the frontier architectures, under the
 engine's continuous batcher: DeepSeek-V4 compresses keys by absolute position and ignores left
-padding, so only prompts of equal length share a prefill (unpadded), while its decode steps take
-rows of any length (its cache rows, ``miles_plugin_deepseek.v4_slots``); GLM-5's sparse-attention
-indexer masks padding, so its prompts share left-padded prefills like any other model's. Each tiny
-random model is checked against transformers' own forward of the same tokens, one sequence at a
-time."""
+padding, so its prompts share prefills right-padded from position 0 (its cache rows,
+``miles_plugin_deepseek.v4_slots``, load each prompt's own length) and its decode steps take rows of
+any length; GLM-5's sparse-attention indexer masks padding, so its prompts share left-padded
+prefills like any other model's. Each tiny random model is checked against transformers' own
+forward of the same tokens, one sequence at a time."""
 from __future__ import annotations
 
 import pytest
@@ -65,14 +65,10 @@ def engines():
     torch.set_num_threads(before)
 
 
-def expected_prefills(model_type: str) -> list[tuple[int, int]]:
-    """(rows, width) of each prefill: two prompts join at a time (their 4 rows fill the cache);
-    DeepSeek-V4 prefills each length of them apart (shortest first), GLM-5 both left-padded to the
-    longer."""
+def expected_prefills() -> list[tuple[int, int]]:
+    """(rows, width) of each prefill: two prompts join at a time (their 4 rows fill the cache),
+    padded to the longer (DeepSeek-V4 on the right, GLM-5 on the left)."""
     per = MAX_BATCH // N
-    if model_type == "deepseek_v4":
-        joins = [LENGTHS[s:s + per] for s in range(0, len(LENGTHS), per)]
-        return [(j.count(n), n) for j in joins for n in sorted(set(j))]
     return [(len(LENGTHS[s:s + per]), max(LENGTHS[s:s + per])) for s in range(0, len(LENGTHS), per)]
 
 
@@ -97,7 +93,7 @@ def test_sampled_logprobs_equal_a_transformers_forward_and_prompts_share_forward
             worst = max(worst, (want - torch.tensor(comp.logprobs)).abs().max().item())
     assert worst < 1e-5, f"{model_type}: engine log-probs differ from transformers' forward by {worst:.2e}"
     prefills = [s for s in calls if s[1] > 1]
-    assert prefills == expected_prefills(model_type)
+    assert prefills == expected_prefills()
     # decode steps take every live row, of whatever length (DeepSeek-V4's too)
     assert max(rows for rows, width in calls if width == 1) == MAX_BATCH
 
@@ -115,17 +111,16 @@ def test_greedy_outputs_equal_per_prompt_greedy_generation(model_type, engines):
         assert comp.token_ids == want[:len(comp.token_ids)]
 
 
-def test_scoring_groups_prompts_by_length_and_equals_a_transformers_forward(engines):
-    """``logprobs`` (a teacher's scores): responses of different lengths, right-padded, in forwards
-    whose prompts all have one length."""
+def test_scoring_right_pads_pairs_of_any_length_and_equals_a_transformers_forward(engines):
+    """``logprobs``: prompts and responses of different lengths, each pair right-padded from
+    position 0, ``max_batch_size`` pairs a forward."""
     engine, shapes = engines("deepseek_v4")
     responses = [[5 + (3 * i + k) % 40 for k in range(2 + i)] for i in range(len(PROMPTS))]
     shapes.clear()
     got = engine.logprobs(PROMPTS, responses)
-    widths = {n: 0 for n in LENGTHS}
-    for i, n in enumerate(LENGTHS):
-        widths[n] = max(widths[n], len(responses[i]))
-    assert sorted(shapes) == sorted((LENGTHS.count(n), n + w) for n, w in widths.items())
+    total = [len(p) + len(r) for p, r in zip(PROMPTS, responses)]
+    chunks = [total[s:s + MAX_BATCH] for s in range(0, len(total), MAX_BATCH)]
+    assert shapes == [(len(c), max(c)) for c in chunks]
     for prompt, response, lp in zip(PROMPTS, responses, got):
         want = reference_logprobs(engine.model, prompt, response)
         assert (want - torch.tensor(lp)).abs().max().item() < 1e-5

@@ -14,6 +14,11 @@ fixed-size state instead, and a decode step is the same for every row:
 - CSA's entry ``w`` pools window ``w - 1``'s first half (Ca) with window ``w``'s second half (Cb),
   as transformers does through its overlap state.
 
+Prompts of any lengths prefill together, right-padded from position 0: every real token's output is
+exact (padding only ever follows it), and each row loads its own length from the keys and
+projections the prefill's transformers cache recorded (``watch``), the padded tail left for decode
+to overwrite.
+
 The compressor and indexer modules of the engine's model instance get a forward that takes this
 path when the cache layer is a ``V4SlotLayer`` and transformers' own otherwise (prefill, scoring,
 training).
@@ -27,7 +32,6 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4Attention,
-    DeepseekV4CSACache,
     DeepseekV4CSACompressor,
     apply_rotary_pos_emb,
 )
@@ -70,22 +74,23 @@ class _Series:
         self.entries[rows, window] = entry[:, 0]
         return self.entries[:b, :count]
 
-    def load(self, layer: Any, name: str, m: torch.nn.Module, rows: torch.Tensor, group: torch.Tensor,
-             length: int) -> None:
-        """A prefilled prompt of ``length`` tokens (transformers' cache ``layer``, entry ``name``)
-        into ``rows`` (``group``: each row's prompt)."""
-        window, left = divmod(length, self.rate)
-        done = layer.compressed_kv[name]
+    def load(self, seen: tuple[torch.Tensor, torch.Tensor], done: torch.Tensor | None, m: torch.nn.Module,
+             rows: torch.Tensor, group: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Prompts prefilled right-padded from position 0 into ``rows`` (``group``: each row's
+        prompt, of ``lengths[group]`` tokens): ``seen``, the compressor's kv and gate projections
+        at every padded position; ``done``, transformers' entries of the padded width's windows.
+        Slots and entries past a row's prompt hold padding, which decode overwrites before a
+        query reads it (a slot is read once written, an entry once its window closes)."""
+        kv, gate = seen
+        width = kv.shape[1]
+        window = lengths[group] // self.rate
+        t = torch.arange(self.rate, device=kv.device)
+        for w in (window, window - 1):  # the row's current window and the one before (-1: none, masked)
+            at = (w[:, None] * self.rate + t).clamp(0, width - 1)
+            self.kv[rows, w % 2] = kv[group[:, None], at].to(self.kv.dtype)
+            self.gate[rows, w % 2] = gate[group[:, None], at].float() + m.position_bias
         if done is not None and done.shape[1]:
             self.entries[rows, :done.shape[1]] = done[group].to(self.entries.dtype)
-        buffered = layer.buffer_kv[name]
-        if buffered is not None and buffered.shape[1]:
-            self.kv[rows, window % 2, :left] = buffered[group]
-            self.gate[rows, window % 2, :left] = layer.buffer_gate[name][group] + m.position_bias[:left]
-        overlap = layer.overlap_kv[name] if isinstance(layer, DeepseekV4CSACache) else None
-        if self.overlap and overlap is not None:
-            self.kv[rows, (window + 1) % 2, :, :self.dim] = overlap[group].to(self.kv.dtype)
-            self.gate[rows, (window + 1) % 2, :, :self.dim] = layer.overlap_gate[name][group].float()
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for t in self.tensors():
@@ -142,13 +147,37 @@ class V4SlotLayer(CacheLayerMixin):
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys] + [t for s in self.series.values() for t in s.tensors()]
 
-    def load(self, layer: Any, rows: torch.Tensor, group: torch.Tensor, length: int) -> None:
-        """Prompts of ``length`` tokens prefilled into transformers' V4 cache ``layer``, into ``rows``."""
-        held = layer.keys.shape[2]  # the window's last tokens
-        self.keys[rows, :, length - held:length] = layer.keys[group].to(self.keys.dtype)
+    def watch(self, layer: Any) -> None:
+        """Before a prefill forward: transformers' V4 cache ``layer`` (of a ``DynamicCache`` for
+        the model) records the full keys and each compressor's projections, which ``load`` reads
+        (transformers keeps only the padded width's last window of them)."""
+        seen: dict[str, Any] = {}
+        update = layer.update
+
+        def recorded_update(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            seen["keys"] = key_states
+            return update(key_states, value_states, *args, **kwargs)
+
+        layer.update, layer.miles_seen = recorded_update, seen
+        if self.series:
+            store = layer.store_compression_weights
+
+            def recorded_store(name: str, kv: torch.Tensor, gate: torch.Tensor):
+                seen[name] = (kv, gate)
+                return store(name, kv, gate)
+
+            layer.store_compression_weights = recorded_store
+
+    def load(self, layer: Any, rows: torch.Tensor, group: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Prompts right-padded from position 0 and prefilled through ``layer`` (``watch``ed),
+        into ``rows`` (``group``: each row's prompt, of ``lengths[group]`` tokens)."""
+        seen = layer.miles_seen
+        keys = seen["keys"]  # [prompts, 1, width, dim]; past a prompt's end, decode overwrites them
+        self.keys[rows, :, :keys.shape[2]] = keys[group].to(self.keys.dtype)
         comp = self.attention.compressor
         for name, series in self.series.items():
-            series.load(layer, name, comp if name == "compressor" else comp.indexer, rows, group, length)
+            series.load(seen[name], layer.compressed_kv[name], comp if name == "compressor" else comp.indexer,
+                        rows, group, lengths)
 
     def move(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
         self.keys[dst, :, :length] = self.keys[src, :, :length]
