@@ -49,7 +49,7 @@ def _engine(pm, family: str, dtype: str, replay: bool = False, weights: str = "m
     assert isinstance(engine._fast, SlotGenerator)
     if per_call:  # the path speculative configurations decode on when no draft runs
         engine._fast, engine._static = None, True
-    prompts = [list(p) for p in PROMPTS]  # of different lengths: DeepSeek-V4 prefills each length apart
+    prompts = [list(p) for p in PROMPTS]  # of different lengths: DeepSeek-V4 right-pads them
     return engine, prompts
 
 
