@@ -27,7 +27,12 @@ def pm():
 def _configs():
     # GLM-5 with an indexer top-k of 3: rows whose positions differ choose among different key counts
     dsa = dict(frontier_config("glm_moe_dsa"), index_topk=3)
-    return [pytest.param(frontier_config(f), id=f) for f in SLOTTED] + [pytest.param(dsa, id="glm_moe_dsa-topk3")]
+    # DeepSeek-V4 with a sliding-window layer of its own (no compressor) after the compressed ones
+    v4 = frontier_config("deepseek_v4")
+    v4 = dict(v4, num_hidden_layers=3, layer_types=[*v4["layer_types"], "sliding_attention"],
+              mlp_layer_types=[*v4["mlp_layer_types"], "moe"])
+    return [pytest.param(frontier_config(f), id=f) for f in SLOTTED] + [
+        pytest.param(dsa, id="glm_moe_dsa-topk3"), pytest.param(v4, id="deepseek_v4-sliding")]
 
 
 def _reference(engine: TorchEngine, prompt: list[int], comp) -> tuple[torch.Tensor, torch.Tensor]:
