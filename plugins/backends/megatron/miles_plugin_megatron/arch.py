@@ -348,6 +348,10 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
             mlp.router = grouped_sigmoid_router()
         else:
             mlp.router = fp32_router()
+    if moe and mlp is not None and hasattr(mlp, "experts"):
+        from .experts import grouped
+
+        mlp.experts = grouped(mlp.experts)  # local experts as grouped GEMMs, not one MLP each
     if moe and mlp is not None and arch.whole_experts and _submodules(mlp.experts) is not None:
         # an expert adds its output bias in place, which the one-rank reduction's returned view forbids
         experts = _submodules(mlp.experts)

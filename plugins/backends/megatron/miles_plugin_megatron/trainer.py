@@ -378,17 +378,18 @@ class MegatronTrainer(draft_.ExportsHead, SendsPackedWeights):
         ones counted once, experts summed over the expert-parallel group too. Sharding is read from
         the weight's name: megatron-core sets its ``tensor_model_parallel`` attribute only when it
         initialises the weight itself."""
-        dense = torch.zeros((), dtype=torch.float64, device=self.device)
-        expert = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads: dict[str, list[torch.Tensor]] = {"dense": [], "expert": []}
         copy = self.pp > 1 and self.arch.tied and self.stage > 0  # the last stage's tied-embedding copy
         for n, p in named:
             if p.grad is None or (copy and n == pipeline.last_prefix(self.vp) + "output_layer.weight"):
                 continue
-            sq = p.grad.double().pow(2).sum()
             if "local_experts" in n:
-                expert += sq
+                grads["expert"].append(p.grad)
             elif convert.tp_dim(pipeline.unchunked(n)) is not None or self.tp_rank == 0:  # sharded, or once
-                dense += sq
+                grads["dense"].append(p.grad)
+        # a few multi-tensor kernels, not four per parameter (hundreds of expert weights)
+        dense, expert = (torch.nn.utils.get_total_norm(g, foreach=True).double().square() if g
+                         else torch.zeros((), dtype=torch.float64, device=self.device) for g in grads.values())
         if self.tp > 1:
             dist.all_reduce(dense, group=self.ps.get_tensor_model_parallel_group())
         if self.arch.moe and self.tp * self.ep > 1:
