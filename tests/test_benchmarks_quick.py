@@ -28,6 +28,7 @@ def scripts(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "engine_vs_hf": ([], "engine_vs_hf tokens/s ratio"),
         "grpo_step_vs_trl": ([], "grpo_step_vs_trl:"),
         "launcher_overhead": ([], "launcher_overhead ray/local step time ratio"),
+        "megatron_experts": ([], "megatron_experts grouped/loop step time ratio"),
         "mismatch": ([], "R3 mean-diff reduction"),
         "quickstart_vs_sft": (["--out", str(tmp / "qs")], "quickstart_vs_sft: GRPO gain"),
         "trainer_megatron_vs_fsdp2": ([], "trainer "),
