@@ -5,13 +5,13 @@ megatron-core's local (Transformer-Engine-free) layer spec computes routed exper
 a host read of the token counts in every MoE layer. With dozens of experts that loop is most of a
 training step's kernels. ``GroupedExperts`` keeps SequentialMLP's parameters, names and checkpoint
 layout (conversion and checkpoints do not change) and computes each projection of all local
-experts as one grouped GEMM (torch's ``grouped_mm``), inside megatron-core's own expert MLP forward (activation,
-gated unit, clamps, per-token probabilities), so the math is the expert MLP's.
+experts as one grouped GEMM (torch's ``grouped_mm``), inside megatron-core's own expert MLP
+forward (activation, gated unit, clamps, per-token probabilities), so the math is the expert MLP's.
 
 It falls back to the per-expert loop where a grouped GEMM cannot stand in for the linears: FP8 or
 FP4 in megatron-core, probabilities applied to the input, linears whose forward was replaced (the
-low-precision formats of ``lowp.py``), projection sizes the kernel cannot stride over, or a GPU
-older than compute capability 8.0.
+low-precision formats of ``lowp.py``), projection sizes the kernel cannot stride over, and on a GPU
+anything but bfloat16 on compute capability 8.0 or newer.
 """
 from __future__ import annotations
 
@@ -84,11 +84,14 @@ class GroupedExperts(SequentialMLP):
             return False
         if len(self.local_experts) < 2:
             return False
-        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
+        # CUDA's grouped GEMM takes bfloat16 from compute capability 8.0
+        cuda = x.device.type == "cuda"
+        if cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)):
             return False
         linears = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
         # the kernel strides rows in 16-byte steps: every projection size a multiple of that
-        aligned = all(d * lin.weight.element_size() % 16 == 0 for lin in linears for d in lin.weight.shape)
+        aligned = all(lin.weight.dtype == x.dtype and d * lin.weight.element_size() % 16 == 0
+                      for lin in linears for d in lin.weight.shape)
         return aligned and all(_plain(lin) for lin in linears)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
