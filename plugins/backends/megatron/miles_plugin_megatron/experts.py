@@ -11,10 +11,12 @@ forward (activation, gated unit, clamps, per-token probabilities), so the math i
 It falls back to the per-expert loop where a grouped GEMM cannot stand in for the linears: FP8 or
 FP4 in megatron-core, probabilities applied to the input, linears whose forward was replaced (the
 low-precision formats of ``lowp.py``), projection sizes the kernel cannot stride over, and on a GPU
-anything but bfloat16 on compute capability 8.0 or newer.
+anything but bfloat16 on compute capability 8.0 or newer; and, with a logged warning, for the rest of
+the process once a grouped GEMM raises in a forward (a kernel the torch build or device lacks).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 # torch >= 2.10 names it publicly; CUDA runs it on compute capability 8.0 and up (its fast,
 # sync-free kernel from 9.0), the CPU through its reference loop
 _GMM = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+_log = logging.getLogger(__name__)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -94,11 +97,23 @@ class GroupedExperts(SequentialMLP):
                       for lin in linears for d in lin.weight.shape)
         return aligned and all(_plain(lin) for lin in linears)
 
+    refused: str | None = None  # why the grouped GEMM failed in this process: the loop from then on
+
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         x = permuted_local_hidden_states
-        if not self._groupable(x):
-            return super().forward(x, tokens_per_expert, permuted_probs)
+        if GroupedExperts.refused is None and self._groupable(x):
+            try:
+                return self._grouped(x, tokens_per_expert, permuted_probs)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # a kernel this torch build or device lacks: the loop computes the same
+                GroupedExperts.refused = str(e).splitlines()[0]
+                _log.warning("megatron: grouped experts failed (%s); running megatron-core's per-expert loop",
+                             GroupedExperts.refused)
+        return super().forward(x, tokens_per_expert, permuted_probs)
+
+    def _grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offs = counts.cumsum(0).to(torch.int32)
         owner = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])

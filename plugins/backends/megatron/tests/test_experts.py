@@ -71,3 +71,26 @@ def test_a_step_does_not_loop_over_experts(megatron_cpu, monkeypatch):
         counts.append(c.n)
         monkeypatch.undo()
     assert counts[0] == counts[1], counts
+
+
+def test_a_grouped_gemm_that_raises_falls_back_to_the_loop(megatron_cpu, monkeypatch, caplog):
+    """A kernel the torch build or device lacks: the step still runs, through the loop, with the
+    same log-probs, and says so once."""
+    import miles_plugin_megatron.experts as experts
+
+    tr = trainer("deepseek_v3")
+    b = batch(rows=4)
+    want = tr.logprobs(b)
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("grouped_mm: no kernel for this device")
+
+    monkeypatch.setattr(experts, "_GMM", missing)
+    monkeypatch.setattr(GroupedExperts, "refused", None)
+    with caplog.at_level("WARNING", logger="miles_plugin_megatron.experts"):
+        got = tr.logprobs(b)
+        step(tr, b)
+    assert GroupedExperts.refused == "grouped_mm: no kernel for this device"
+    assert sum("per-expert loop" in r.getMessage() for r in caplog.records) == 1
+    mask = b.loss_mask.bool()
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
