@@ -12,6 +12,7 @@ import torch
 from miles import Batch, SamplingParams, make_plugin_manager
 from miles.protocols import Architecture, KnowsArchitecture, RoutesExperts
 from miles.testing import char_tokenizer
+from miles.testing.arch import reference_logprobs
 from miles_tinypolicy.frontier import FAMILIES, frontier_config, lively
 
 PROMPTS = [[2, 5, 6, 7, 8, 9, 10, 11, 12, 13], [2, 11], [2, 12, 13, 14, 15]]
@@ -42,13 +43,6 @@ def make_engine(spec, tok):
     engine = TorchEngine(TorchEngineConfig(impl="hf"), spec=spec, tokenizer=tok, seed=0)
     engine.load_weights(lively(engine.model), version=1)
     return engine
-
-
-def reference_logprobs(model, prompt, response):
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + response]), use_cache=False).logits[0].float()
-    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-    return logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
 @pytest.fixture(scope="module")

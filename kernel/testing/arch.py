@@ -76,7 +76,7 @@ def _engine(pm: MilesPluginManager, spec: Any, tok: Any, seed: int) -> Any:
     return engine
 
 
-def _reference_logprobs(model: Any, prompt: Sequence[int], response: Sequence[int]) -> Any:
+def reference_logprobs(model: Any, prompt: Sequence[int], response: Sequence[int]) -> Any:
     """transformers' log-probs of ``response`` after ``prompt``: one unpadded row, no cache."""
     import torch
 
@@ -105,7 +105,7 @@ def engine_matches_transformers(config: dict[str, Any], *, plugins: Sequence[str
         for prompt, comps in zip(PROMPTS, outs):
             for comp in comps:
                 assert comp.token_ids, "the engine returned an empty completion"
-                want = _reference_logprobs(engine.model, prompt, comp.token_ids)
+                want = reference_logprobs(engine.model, prompt, comp.token_ids)
                 worst = max(worst, (want - torch.tensor(comp.logprobs)).abs().max().item())
     assert worst <= tol, f"{config['model_type']}: engine log-probs differ from transformers' by {worst:.2e}"
     return worst

@@ -91,11 +91,16 @@ class GroupedExperts(SequentialMLP):
         cuda = x.device.type == "cuda"
         if cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)):
             return False
-        linears = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
-        # the kernel strides rows in 16-byte steps: every projection size a multiple of that
-        aligned = all(lin.weight.dtype == x.dtype and d * lin.weight.element_size() % 16 == 0
-                      for lin in linears for d in lin.weight.shape)
-        return aligned and all(_plain(lin) for lin in linears)
+        # the linears are fixed once built (low-precision formats replace theirs at build): checked
+        # once per dtype, not in every MoE layer's every forward
+        known = vars(self).setdefault("_grouping", {})
+        if x.dtype not in known:
+            linears = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
+            # the kernel strides rows in 16-byte steps: every projection size a multiple of that
+            aligned = all(lin.weight.dtype == x.dtype and d * lin.weight.element_size() % 16 == 0
+                          for lin in linears for d in lin.weight.shape)
+            known[x.dtype] = aligned and all(_plain(lin) for lin in linears)
+        return known[x.dtype]
 
     refused: str | None = None  # why the grouped GEMM failed in this process: the loop from then on
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from frontier import Spec
+from frontier_worker import step
 from helpers import batch
 from megatron.core.transformer.moe.experts import SequentialMLP
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,10 +19,6 @@ from miles_plugin_megatron.trainer import MegatronTrainer
 def trainer(family: str, **over) -> MegatronTrainer:
     cfg = MegatronConfig(device="cpu", precision="fp32", lr=1e-3, grad_clip=None)
     return MegatronTrainer(cfg, spec=Spec(family, **over), tokenizer=None, seed=0, total_steps=4)
-
-
-def step(tr, b):
-    return tr.train_step(b, lambda mb, lp: (-mb.token_mean(lp * mb.advantages), {}))
 
 
 class MatmulCount(TorchDispatchMode):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from miles.testing.arch import lively_weights
+from miles.testing.arch import lively_weights, reference_logprobs
 from miles import SamplingParams, make_plugin_manager
 from miles.testing import char_tokenizer
 
@@ -70,12 +70,6 @@ def expected_prefills() -> list[tuple[int, int]]:
     padded to the longer (DeepSeek-V4 on the right, GLM-5 on the left)."""
     per = MAX_BATCH // N
     return [(len(LENGTHS[s:s + per]), max(LENGTHS[s:s + per])) for s in range(0, len(LENGTHS), per)]
-
-
-def reference_logprobs(model, prompt, response) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + response]), use_cache=False).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
 @pytest.mark.parametrize("model_type", CONFIGS)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from miles import SamplingParams, make_plugin_manager
 from miles.testing import PROMPTS, char_tokenizer, lively_weights, model_spec
+from miles.testing.arch import reference_logprobs
 from miles.testing.syncs import count_syncs
 from miles_tinypolicy.frontier import FAMILIES, frontier_config
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -66,15 +67,8 @@ def _engine(family: str, pm) -> TorchEngine:
 
 def _worst_gap(engine: TorchEngine, prompts, outs) -> float:
     """Largest |log-prob| gap between the samples and a cache-less forward of their tokens."""
-    worst = 0.0
-    for prompt, comps in zip(prompts, outs):
-        for c in comps:
-            with torch.inference_mode():
-                logits = engine.model(input_ids=torch.tensor([prompt + c.token_ids]), use_cache=False).logits[0]
-            want = torch.log_softmax(logits[len(prompt) - 1:-1].float(), -1)
-            want = want.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-            worst = max(worst, float((want - torch.tensor(c.logprobs)).abs().max()))
-    return worst
+    return max(float((reference_logprobs(engine.model, p, c.token_ids) - torch.tensor(c.logprobs)).abs().max())
+               for p, comps in zip(prompts, outs) for c in comps)
 
 
 def _generate(engine: TorchEngine):

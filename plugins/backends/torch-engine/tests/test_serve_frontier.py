@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from miles import SamplingParams
+from miles.testing.arch import reference_logprobs
 from miles_tinypolicy import char_tokenizer
 from miles_tinypolicy.frontier import FAMILIES, write_frontier_policy
 
@@ -62,12 +63,6 @@ def served(request, tmp_path_factory):
 def generate_body(prompts, n=N, new=NEW, **kw):
     return {"input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": new, "n": n},
             "return_logprob": True, **kw}
-
-
-def reference_logprobs(model, prompt, response) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + response]), use_cache=False).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
 def routed(meta: dict) -> np.ndarray:
