@@ -272,7 +272,13 @@ def fp32_router() -> type:
     """megatron-core's top-k router with its gating GEMM outside autocast: under bf16 autocast its
     custom GEMM returns bf16 logits while its backward multiplies them with the fp32 weight (a
     dtype error); outside autocast the logits are fp32 (``moe_router_dtype``) forward and back."""
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import TopKRouter
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # 0.16.1's gating GEMM tests this Transformer Engine name, which it binds only where TE
+        # imports: without TE every MoE forward raised NameError, and None takes its torch path
+        moe_utils.te_general_gemm = None
 
     class FP32Router(TopKRouter):
         def gating(self, input: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,11 @@
 on a machine without CUDA (``miles.testing``'s megatron helpers), never used by the trainer itself.
 
 megatron-core moves RoPE's ``inv_freq`` (and a router weight) to ``torch.cuda.current_device()``
-on the first forward, and 0.16.1 names Transformer Engine's ``te_general_gemm`` in its MoE router
-when TE is absent; its checkpoint writer and pipeline p2p call ``torch.cuda.synchronize``, and a
+on the first forward; its checkpoint writer and pipeline p2p call ``torch.cuda.synchronize``, and a
 pipeline's last stage moves its copy of a tied embedding with ``Tensor.cuda()``. ``install()``
 points ``torch.cuda.current_device`` at ``"cpu"``, makes ``torch.cuda.synchronize`` a no-op and
-``Tensor.cuda`` the identity (there is no GPU to move to), gives the router module a ``None`` for
-that name, and lets the pipeline schedules' token counter (``torch.zeros(..., device="cuda")``)
-live on the CPU.
+``Tensor.cuda`` the identity (there is no GPU to move to), and lets the pipeline schedules' token
+counter (``torch.zeros(..., device="cuda")``) live on the CPU.
 """
 from __future__ import annotations
 
@@ -33,14 +31,11 @@ def install(patch: Any) -> None:
     """Install the stand-ins through ``patch.setattr(target, name, value, raising=False)`` (a
     ``pytest.MonkeyPatch`` or ``Patches``), so that they are undone with it."""
     from megatron.core.pipeline_parallel import schedules
-    from megatron.core.transformer.moe import moe_utils
 
     patch.setattr(schedules, "torch", _TorchOnCPU())
     patch.setattr(torch.cuda, "current_device", lambda: "cpu")
     patch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     patch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
-    if not hasattr(moe_utils, "te_general_gemm"):
-        patch.setattr(moe_utils, "te_general_gemm", None, raising=False)
 
 
 class Patches:

@@ -39,7 +39,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 class _Series:
     """One compressor's per-row state: window slots ``[rows, 2, rate, features]`` (kv in the
-    model's dtype, gate in float32 with the position bias added) and entries ``[rows, T, dim]``."""
+    model's dtype; gate with the position bias added in the model's dtype, as transformers adds it,
+    kept in float32) and entries ``[rows, T, dim]``."""
 
     def __init__(self, module: torch.nn.Module, slots: int, max_len: int, dtype: torch.dtype, device: Any):
         self.rate, self.dim = module.compress_rate, module.head_dim
@@ -60,7 +61,7 @@ class _Series:
         window, slot = pos // self.rate, pos % self.rate
         cur, prev = window % 2, (window + 1) % 2
         self.kv[rows, cur, slot] = m.kv_proj(hidden)[:, 0]
-        self.gate[rows, cur, slot] = m.gate_proj(hidden)[:, 0] + m.position_bias[slot]
+        self.gate[rows, cur, slot] = (m.gate_proj(hidden)[:, 0] + m.position_bias[slot]).float()
         later = torch.arange(self.rate, device=pos.device)[None, :] > slot[:, None]  # slots not yet written
         kv, gate = self.kv[rows, cur], self.gate[rows, cur].masked_fill(later[..., None], float("-inf"))
         if self.overlap:  # window w - 1's Ca (none before the first window), then window w's Cb
@@ -88,7 +89,7 @@ class _Series:
         for w in (window, window - 1):  # the row's current window and the one before (-1: none, masked)
             at = (w[:, None] * self.rate + t).clamp(0, width - 1)
             self.kv[rows, w % 2] = kv[group[:, None], at].to(self.kv.dtype)
-            self.gate[rows, w % 2] = gate[group[:, None], at].float() + m.position_bias
+            self.gate[rows, w % 2] = (gate[group[:, None], at] + m.position_bias).float()
         if done is not None and done.shape[1]:
             self.entries[rows, :done.shape[1]] = done[group].to(self.entries.dtype)
 
