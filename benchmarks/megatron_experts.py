@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, trainer in trainers(args, spec, tok):
             out[name] = measure(trainer, b, args.steps, args.device)
             r = out[name]
-            print(f"  {name}: {r['ops']:,} aten ops/step, {r['syncs']} host syncs/step, {r['ms']:.1f} ms/step")
+            syncs = "-" if r["syncs"] != r["syncs"] else r["syncs"]  # NaN: not counted on a GPU
+            print(f"  {name}: {r['ops']:,} aten ops/step, {syncs} host syncs/step, {r['ms']:.1f} ms/step")
             del trainer
     g, loop, f = out["megatron grouped"], out["megatron loop"], out["fsdp2"]
     print(f"megatron_experts grouped/loop step time ratio {g['ms'] / loop['ms']:.2f} (aten ops {g['ops']:,} / "
