@@ -251,7 +251,8 @@ def test_grpo_recipe_trains_exports_and_resumes(tmp_path):
                    check=True, cwd=ROOT, timeout=600)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    # use_kernels=False: transformers otherwise fetches hub kernels, which an offline machine cannot
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, use_kernels=False)
     sd = hf.state_dict()
     emb = w20["embedding.word_embeddings.weight"][:sd["model.embed_tokens.weight"].shape[0]]
     assert torch.equal(sd["model.embed_tokens.weight"], emb)
