@@ -313,6 +313,16 @@ def one_rank_linears() -> tuple[type, type]:
     return OneRankColumnLinear, OneRankRowLinear
 
 
+def replace_module(builder: Any, old: type, new: type) -> Any:
+    """A spec entry (``ModuleSpec`` in megatron-core 0.16, ``functools.partial`` in 0.19) that
+    builds ``new`` where it names ``old``; any other entry as it is."""
+    if isinstance(builder, functools.partial):
+        return functools.partial(new, *builder.args, **builder.keywords) if builder.func is old else builder
+    if getattr(builder, "module", None) is old:
+        builder.module = new
+    return builder
+
+
 def _submodules(builder: Any) -> Any:
     """The submodules of a spec entry: a ``ModuleSpec`` (megatron-core 0.16) or a
     ``functools.partial(Module, submodules=...)`` (0.19)."""
@@ -355,9 +365,12 @@ def layer_spec(arch: Arch, edit: Callable[[Any], Any] | None = None, tp: int = 1
         else:
             mlp.router = fp32_router()
     if moe and mlp is not None and hasattr(mlp, "experts"):
-        from .experts import grouped
+        from megatron.core.transformer.moe.experts import SequentialMLP
 
-        mlp.experts = grouped(mlp.experts)  # local experts as grouped GEMMs, not one MLP each
+        from .experts import GroupedExperts
+
+        # local experts as grouped GEMMs, not one MLP each
+        mlp.experts = replace_module(mlp.experts, SequentialMLP, GroupedExperts)
     if moe and mlp is not None and arch.whole_experts and _submodules(mlp.experts) is not None:
         # an expert adds its output bias in place, which the one-rank reduction's returned view forbids
         experts = _submodules(mlp.experts)
@@ -452,6 +465,10 @@ def build_gpt(arch: Arch, config: Any, *, tp: int = 1, pre_process: bool = True,
                      **({"vp_stage": vp_stage} if vp_stage is not None else {}))
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)
+    if arch.moe:
+        from .dispatch import dispatch_on_one_rank
+
+        dispatch_on_one_rank(model)
     if arch.hash_layers:
         from .routing import share_token_ids
 

@@ -133,17 +133,3 @@ class GroupedExperts(SequentialMLP):
             bias = torch.stack([e.linear_fc2.bias for e in self.local_experts])[owner]
             out = out + (bias * permuted_probs.unsqueeze(-1)).to(out.dtype)
         return out, None
-
-
-def grouped(builder: Any) -> Any:
-    """A layer spec's experts entry (``ModuleSpec`` in megatron-core 0.16, ``functools.partial``
-    in 0.19) with ``GroupedExperts`` where it names ``SequentialMLP``."""
-    import functools
-
-    if isinstance(builder, functools.partial):
-        if builder.func is SequentialMLP:
-            return functools.partial(GroupedExperts, *builder.args, **builder.keywords)
-        return builder
-    if getattr(builder, "module", None) is SequentialMLP:
-        builder.module = GroupedExperts
-    return builder
