@@ -40,12 +40,15 @@ class OneRankDispatch(MoEAllGatherTokenDispatcher):
         return hidden_states.index_select(0, tokens), counts, self.local_probs
 
 
+# settings that drop or pad tokens, so that a token's assignments are not exactly top-k; read with
+# a default, as megatron-core versions add and retire them
+_RESHAPING = ("moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+              "moe_router_padding_for_quantization", "moe_router_padding_for_fp8")
+
+
 def _one_rank(dispatcher: Any) -> bool:
-    c = dispatcher.config
     return (type(dispatcher) is MoEAllGatherTokenDispatcher and dispatcher.tp_size == 1
-            and dispatcher.ep_size == 1 and c.moe_expert_capacity_factor is None
-            and not c.moe_pad_expert_input_to_capacity and not c.moe_router_padding_for_quantization
-            and not c.moe_router_padding_for_fp8)
+            and dispatcher.ep_size == 1 and not any(getattr(dispatcher.config, k, None) for k in _RESHAPING))
 
 
 def dispatch_on_one_rank(model: torch.nn.Module) -> None:
