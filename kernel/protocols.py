@@ -13,6 +13,8 @@ from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iter
 from .types import Batch, Completion, Group, SamplingParams, Sample, Task
 
 if TYPE_CHECKING:  # pragma: no cover (annotations only: no torch at import, no import cycle)
+    import threading
+
     import torch
 
     from .config import Config
@@ -260,6 +262,16 @@ class Pausable(Protocol):
 
     def pause_generation(self, mode: str = "abort") -> Any: ...
     def continue_generation(self) -> Any: ...
+
+
+@runtime_checkable
+class Interruptible(Protocol):
+    """A generator a serving scheduler can stop mid-call: ``interrupt``, an event ``generate``
+    checks between steps (set: it returns what it has); ``dropped``, indices of the call's prompts
+    whose requests went away, which it stops decoding."""
+
+    interrupt: threading.Event
+    dropped: set[int]
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from miles import Completion, SamplingParams
+from miles.protocols import Interruptible
 
 
 @dataclass
@@ -99,8 +100,9 @@ class Scheduler:
         self._jobs: collections.deque = collections.deque()
         self._paused = False
         self._stopped = False
-        self._interrupt = getattr(engine, "interrupt", None)  # a threading.Event generate() checks
-        self._dropped = getattr(engine, "dropped", None)  # a set of prompt indices generate() leaves out
+        stoppable = isinstance(engine, Interruptible)  # the torch engine; a bare speculative generator is not
+        self._interrupt = engine.interrupt if stoppable else None
+        self._dropped = engine.dropped if stoppable else None
         self._call: list[list[Request]] = []  # the requests behind each prompt of the engine call now
         # num_cancelled: requests whose client went away; cancelled_tokens: tokens the engine
         # generated for them anyway (what a disconnect cost: it stays far below max_new_tokens)

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from miles import MilesError, SamplingParams
+from miles.protocols import ReceivesWeights
 from miles_procs import listening_socket
 from pydantic import ValidationError
 
@@ -299,9 +300,8 @@ def _control_routes(app: FastAPI, engine: Any, scheduler: Scheduler, groups: Gro
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         """SGLang ``/flush_cache``. The engine keeps no KV cache between calls, so this only
-        waits for the engine thread (and calls the engine's ``flush_cache`` if it has one)."""
-        fn = getattr(engine, "flush_cache", None)
-        await scheduler.call(fn if callable(fn) else (lambda: None))
+        waits for the engine thread."""
+        await scheduler.call(lambda: None)
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/pause_generation")
@@ -362,7 +362,7 @@ def _info_routes(app: FastAPI, engine: Any, scheduler: Scheduler, model_dir: str
         state = {**scheduler.stats, "num_waiting": scheduler.num_waiting, "paused": scheduler.paused}
         return {"model_path": model_dir, **settings, "weight_version": engine.weight_version,
                 "internal_states": [state], **state, "version": "miles",
-                "accepts_buckets": bool(getattr(engine, "accepts_buckets", False))}
+                "accepts_buckets": isinstance(engine, ReceivesWeights) and engine.accepts_buckets}
 
 
 def _weight_handler(engine: Any, scheduler: Scheduler, route: str, method: str, groups: GroupJoins,

@@ -13,6 +13,7 @@ class BlockingEngine:
 
     def __init__(self):
         self.interrupt, self.release, self.started = threading.Event(), threading.Event(), threading.Event()
+        self.dropped: set[int] = set()  # what the scheduler leaves out of a call (this double decodes them anyway)
         self.calls: list[int] = []
 
     def generate(self, prompts, params, n=1):
