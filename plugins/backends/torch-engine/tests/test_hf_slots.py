@@ -9,6 +9,7 @@ import pytest
 import torch
 from miles import SamplingParams, make_plugin_manager
 from miles.testing import PROMPTS, char_tokenizer, lively_weights, model_spec
+from miles.testing.arch import reference_logprobs
 from miles_tinypolicy.frontier import FAMILIES, frontier_config
 
 from miles_plugin_torch_engine.config import TorchEngineConfig
@@ -91,6 +92,26 @@ def test_greedy_slots_equal_the_per_call_path(pm, single_thread):
     engine._fast = None
     per_call = engine.generate(prompts, params)
     assert [c.token_ids for cs in slots for c in cs] == [c.token_ids for cs in per_call for c in cs]
+
+
+def test_deepseek_v4_slots_in_bfloat16(pm, single_thread):
+    """DeepSeek-V4's slot rows in the GPU's dtype: the compressors' gates add the position bias in
+    bfloat16, as transformers does, into float32 state. On CPU the engine decodes half precision
+    per call, so the slot generator is built here directly."""
+    from miles_plugin_torch_engine.hf_slots import slot_generator
+
+    spec = model_spec(frontier_config("deepseek_v4"), pm=pm)
+    engine = TorchEngine(TorchEngineConfig(impl="hf", dtype="bfloat16", max_batch_size=ROWS), spec=spec,
+                         tokenizer=char_tokenizer(), seed=0)
+    engine.load_weights(lively_weights(engine.model), version=1)
+    engine.eos_id = None
+    engine._fast = slot_generator(engine.cfg, engine.model, engine._cache_kw, None, spec.architecture())
+    prompts = [list(p) for p in PROMPTS]
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seed=3), n=2)
+    assert engine._fast.stats["decode_steps"] > 0
+    diff = torch.cat([(reference_logprobs(engine.model, p, c.token_ids) - torch.tensor(c.logprobs)).abs()
+                      for p, cs in zip(prompts, outs) for c in cs])
+    assert diff.mean() <= 1e-3 and diff.max() <= 0.05, (diff.mean(), diff.max())
 
 
 def test_which_models_get_slots(pm):
