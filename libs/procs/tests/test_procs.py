@@ -36,6 +36,7 @@ SERVER = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 try:
+    open(sys.argv[1] + ".up", "w").close()  # serving: a SIGINT from here on is a clean stop
     time.sleep(600)
 except KeyboardInterrupt:
     child.terminate()
@@ -66,8 +67,9 @@ def test_a_launcher_killed_twice_stops_its_server_cleanly(tmp_path):
     line = launcher.stdout.readline().split()
     assert line[0] == "up", line
     sid = int(line[1])
-    deadline = time.time() + 10
-    while len(session_pids(sid)) < 2 and time.time() < deadline:
+    up = tmp_path / "stopped.up"  # the server past its start-up, which a stop may cut short under load
+    deadline = time.time() + 30
+    while not (up.exists() and len(session_pids(sid)) >= 2) and time.time() < deadline:
         time.sleep(0.05)
     launcher.send_signal(signal.SIGTERM)
     time.sleep(0.5)  # the server is still stopping: this second kill must not cut the stop short
