@@ -22,17 +22,6 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def config(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,11 +50,11 @@ def loss_fn(mb: Any, lp: torch.Tensor) -> tuple[torch.Tensor, dict]:
 
 
 def measure(trainer: Any, b: Any, steps: int, device: str) -> dict[str, float]:
-    from miles.testing.syncs import count_syncs
+    from miles.testing.syncs import OpCounter, count_syncs
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     trainer.train_step(b, loss_fn)
-    with _Ops() as ops:
+    with OpCounter() as ops:
         trainer.train_step(b, loss_fn)
     syncs = float("nan")
     if device == "cpu":

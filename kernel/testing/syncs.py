@@ -35,7 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SyncCounter", "count_syncs", "syncs_per_step"]
+__all__ = ["OpCounter", "SyncCounter", "count_syncs", "syncs_per_step"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.abspath(__file__)
@@ -87,6 +87,19 @@ def _host_data(data: Any) -> bool:
         return len(data) > 0
     except TypeError:  # a Python scalar
         return True
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten calls made while it is active (``n``), or only those of the overload
+    packets in ``only`` (e.g. ``{torch.ops.aten.mm}``): a kernel count a CPU run can take."""
+
+    def __init__(self, only: set | None = None) -> None:
+        super().__init__()
+        self.only, self.n = only, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.n += self.only is None or func.overloadpacket in self.only
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass

@@ -9,26 +9,20 @@ from frontier import Spec
 from frontier_worker import step
 from helpers import batch
 from megatron.core.transformer.moe.experts import SequentialMLP
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from miles.testing.syncs import OpCounter
 
 from miles_plugin_megatron.config import MegatronConfig
 from miles_plugin_megatron.experts import GroupedExperts
 from miles_plugin_megatron.trainer import MegatronTrainer
 
 
+MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}
+
+
 def trainer(family: str, **over) -> MegatronTrainer:
     cfg = MegatronConfig(device="cpu", precision="fp32", lr=1e-3, grad_clip=None)
     return MegatronTrainer(cfg, spec=Spec(family, **over), tokenizer=None, seed=0, total_steps=4)
-
-
-class MatmulCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])  # gpt-oss: biased experts, clamped GLU
@@ -63,7 +57,7 @@ def test_a_step_does_not_loop_over_experts(megatron_cpu, monkeypatch):
         monkeypatch.setattr(SequentialMLP, "forward", lambda *a, **k: pytest.fail("the per-expert loop ran"))
         b = batch(rows=4)
         step(tr, b)
-        with MatmulCount() as c:
+        with OpCounter(MATMULS) as c:
             step(tr, b)
         counts.append(c.n)
         monkeypatch.undo()
